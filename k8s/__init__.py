@@ -1,0 +1,1 @@
+"""Data package: k8s templates shipped inside the ckrun wheel."""

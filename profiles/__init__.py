@@ -1,0 +1,1 @@
+"""Data package: the YAML profiles shipped inside the ckrun wheel."""

@@ -1,0 +1,208 @@
+"""The supervisor ↔ child control channel (DESIGN.md §3, "Supervisor ↔ child").
+
+Supervisor side: :func:`write_notice` writes ``<control_dir>/notice.json`` atomically
+(reason, source, deadline UTC) *before* it signals the child, and :func:`write_escalation`
+marks that the grace period is over.
+
+Child side (the training process): :func:`install_signal_handlers` makes SIGTERM and the
+notice signal (``CKRUN_NOTICE_SIGNAL``, default SIGUSR1) only set a flag, so the save runs
+at the next step boundary instead of inside a signal handler;
+:func:`preemption_requested` returns True once a notice has arrived by signal or by
+``notice.json``.  With ``sync=True`` the flag is all-reduced (MAX) over the default
+``torch.distributed`` process group so every rank stops at the same step.
+
+A SIGTERM that arrives after :func:`write_escalation` (the supervisor's "time is up")
+is not swallowed: the default action is restored and the signal re-raised.
+
+Environment read here: ``CKRUN_CONTROL_DIR``, ``CKRUN_NOTICE_SIGNAL``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+from types import FrameType
+from typing import Any
+
+from ckrun.notices import Notice
+
+NOTICE_FILE = "notice.json"
+ESCALATE_FILE = "escalate"
+ACK_FILE = "ack.json"
+
+_flag = threading.Event()
+_received: list[int] = []
+_installed: set[int] = set()
+
+
+def control_dir() -> str | None:
+    """The control directory of the current run (``CKRUN_CONTROL_DIR``), if supervised."""
+    return os.environ.get("CKRUN_CONTROL_DIR") or None
+
+
+def notice_signal() -> signal.Signals:
+    """The notice signal configured for this run (``CKRUN_NOTICE_SIGNAL``, default USR1)."""
+    name = os.environ.get("CKRUN_NOTICE_SIGNAL", "SIGUSR1").upper()
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    try:
+        return signal.Signals[name]
+    except KeyError:
+        return signal.SIGUSR1
+
+
+def _atomic_write_json(path: str, body: dict[str, Any]) -> None:
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_notice(cdir: str, notice: Notice) -> None:
+    """Supervisor: publish ``notice`` atomically in ``cdir/notice.json``."""
+    _atomic_write_json(os.path.join(cdir, NOTICE_FILE), notice.to_json())
+
+
+def write_escalation(cdir: str) -> None:
+    """Supervisor: mark that the grace period is over; the next SIGTERM is fatal."""
+    _atomic_write_json(os.path.join(cdir, ESCALATE_FILE), {"escalated": True})
+
+
+def clear(cdir: str) -> None:
+    """Supervisor: remove notice, escalation and ack files before a new attempt."""
+    for name in (NOTICE_FILE, ESCALATE_FILE, ACK_FILE):
+        try:
+            os.unlink(os.path.join(cdir, name))
+        except FileNotFoundError:
+            pass
+
+
+def read_notice(cdir: str | None = None) -> Notice | None:
+    """The notice published for this run, or None (also on a malformed file)."""
+    cdir = cdir or control_dir()
+    if not cdir:
+        return None
+    try:
+        with open(os.path.join(cdir, NOTICE_FILE)) as f:
+            return Notice.from_json(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_ack(fields: dict[str, Any], cdir: str | None = None) -> None:
+    """Child: acknowledge the notice (e.g. ``{"step": 1200, "phase": "saving"}``)."""
+    cdir = cdir or control_dir()
+    if cdir:
+        _atomic_write_json(os.path.join(cdir, ACK_FILE), dict(fields, pid=os.getpid()))
+
+
+def read_ack(cdir: str) -> dict[str, Any] | None:
+    """Supervisor: the child's last acknowledgement, or None."""
+    try:
+        with open(os.path.join(cdir, ACK_FILE)) as f:
+            body = json.load(f)
+        return body if isinstance(body, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    cdir = control_dir()
+    if (
+        signum == signal.SIGTERM
+        and cdir
+        and os.path.exists(os.path.join(cdir, ESCALATE_FILE))
+    ):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _received.append(signum)
+    _flag.set()
+
+
+def install_signal_handlers(force: bool = False) -> bool:
+    """Make SIGTERM and the notice signal set the preemption flag.
+
+    Installed only in the main thread, and only when running under the supervisor
+    (``CKRUN_CONTROL_DIR`` set) unless ``force``: outside the supervisor nobody would
+    escalate, and a swallowed SIGTERM would keep the process alive.
+
+    Returns:
+        True when the handlers are installed (now or earlier).
+    """
+    if not (force or control_dir()):
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return bool(_installed)
+    for sig in (signal.SIGTERM, notice_signal()):
+        if sig not in _installed:
+            signal.signal(sig, _handler)
+            _installed.add(sig)
+    return True
+
+
+def _local_flag() -> bool:
+    if _flag.is_set():
+        return True
+    cdir = control_dir()
+    if cdir and os.path.exists(os.path.join(cdir, NOTICE_FILE)):
+        _flag.set()
+        return True
+    return False
+
+
+def preemption_requested(sync: bool = False) -> bool:
+    """True once an interruption notice reached this process.
+
+    Cheap enough to call every step (one flag test and, until a notice arrives, one
+    ``stat`` of ``notice.json``).
+
+    Args:
+        sync: all-reduce the flag (MAX) over the default ``torch.distributed`` process
+            group so every rank agrees; a collective, so every rank must call it at the
+            same step.  Ignored when ``torch.distributed`` is not initialised.
+    """
+    install_signal_handlers()
+    local = _local_flag()
+    if not sync:
+        return local
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return local
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    t = torch.tensor([1 if local else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    agreed = bool(int(t.item()))
+    if agreed:
+        _flag.set()
+    return agreed
+
+
+def received_signals() -> list[int]:
+    """Signal numbers received by the handler so far (for logs and tests)."""
+    return list(_received)
+
+
+def reset_for_tests() -> None:
+    """Clear the flag (tests only)."""
+    _flag.clear()
+    _received.clear()

@@ -1,0 +1,117 @@
+"""Interruption notices and the sources that produce them.
+
+A :class:`Notice` is the one shape every interruption takes on its way to the supervisor:
+a signal (SIGTERM, Slurm's ``--signal`` lead-time USR1), a cloud metadata notice (AWS
+``spot/instance-action``, GCP ``instance/preempted``, Azure Scheduled Events ``Preempt``),
+a time limit read from the scheduler, or a ``ckrun preempt`` drill.
+
+The deadline comes from the notice's own time field when it has one (AWS ``time``, Azure
+``NotBefore``), else detection time plus the configured lead time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+#: Notice kinds.
+PREEMPTION = "preemption"  # capacity is being taken away (spot, Slurm preemption, drain)
+TIME_LIMIT = "time_limit"  # the allocation's time limit approaches
+TERMINATION = "termination"  # a plain SIGTERM from whoever owns the process
+DRILL = "drill"  # `ckrun preempt`: a test of the resume path
+REBALANCE = "rebalance"  # early warning (AWS rebalance recommendation)
+
+KINDS = (PREEMPTION, TIME_LIMIT, TERMINATION, DRILL, REBALANCE)
+
+
+def utcnow() -> dt.datetime:
+    """Timezone-aware current UTC time."""
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def iso_utc(t: dt.datetime) -> str:
+    """ISO-8601 UTC with a ``Z`` suffix, millisecond precision."""
+    return t.astimezone(dt.timezone.utc).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z"
+    )
+
+
+def parse_utc(s: str) -> dt.datetime:
+    """Parse an ISO-8601 timestamp (``Z`` or offset); naive values are taken as UTC."""
+    t = dt.datetime.fromisoformat(s.strip().replace("Z", "+00:00"))
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One interruption notice.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        source: where it came from, e.g. ``"signal:SIGTERM"``, ``"aws"``, ``"gcp"``,
+            ``"azure"``, ``"slurm:time_limit"``, ``"cli"``.
+        detected_at: UTC time the notice was seen.
+        deadline_utc: UTC time after which the process may be killed.
+        detail: source-specific fields (the raw document, signal number, ...).
+    """
+
+    kind: str
+    source: str
+    detected_at: dt.datetime
+    deadline_utc: dt.datetime
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def seconds_left(self, now: dt.datetime | None = None) -> float:
+        """Seconds until the deadline (negative once it has passed)."""
+        return (self.deadline_utc - (now or utcnow())).total_seconds()
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict (the ``notice.json`` body)."""
+        return {
+            "kind": self.kind,
+            "source": self.source,
+            "detected_at": iso_utc(self.detected_at),
+            "deadline_utc": iso_utc(self.deadline_utc),
+            "detail": self.detail,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Notice:
+        """Inverse of :meth:`to_json`; raises ``KeyError``/``ValueError`` on bad input."""
+        return cls(
+            kind=str(d["kind"]),
+            source=str(d["source"]),
+            detected_at=parse_utc(d["detected_at"]),
+            deadline_utc=parse_utc(d["deadline_utc"]),
+            detail=dict(d.get("detail") or {}),
+        )
+
+    @classmethod
+    def with_lead(
+        cls, kind: str, source: str, lead_s: float, detail: dict[str, Any] | None = None
+    ) -> Notice:
+        """A notice detected now whose deadline is ``lead_s`` seconds away."""
+        now = utcnow()
+        return cls(kind, source, now, now + dt.timedelta(seconds=lead_s), dict(detail or {}))
+
+
+@runtime_checkable
+class NoticeSource(Protocol):
+    """Something the supervisor polls for notices.
+
+    ``poll`` must return quickly (it runs on the supervisor's loop, which ticks a few
+    times a second); a source that does network I/O rate-limits itself with
+    ``interval_s`` and never raises on transient errors (it counts and logs them).
+    """
+
+    name: str
+    interval_s: float
+
+    def poll(self) -> Notice | None:
+        """Return a new notice, or None. A source reports each notice once."""
+        ...
+
+    def close(self) -> None:
+        """Release resources (threads, sockets)."""
+        ...

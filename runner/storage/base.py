@@ -1,0 +1,142 @@
+"""The ``Storage`` protocol: objects, not directories (DESIGN.md §3).
+
+Every backend (local POSIX, S3) keeps the same contract, which the checkpoint commit
+protocol relies on:
+
+* a reader sees nothing or the whole object, never a prefix of it;
+* ``put``/``commit`` return only once the object is durable (local: fsync of the file
+  and of its directory; S3: the PUT or CompleteMultipartUpload returned 200);
+* ``delete`` is idempotent; there is no rename, so directory atomicity is the
+  checkpointer's job (publish the manifest last);
+* keys are relative POSIX paths (``a/b/c``); :func:`validate_key` rejects absolute keys,
+  ``..``, empty components and backslashes, so a manifest cannot name a file outside the
+  run.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import IO, Iterable, Protocol, runtime_checkable
+
+from ckrun.errors import InvalidKey
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """Metadata of one stored object.
+
+    Attributes:
+        key: the object's key relative to the storage root.
+        size_bytes: its size in bytes.
+        mtime: modification time, seconds since the epoch (UTC), when known.
+    """
+
+    key: str
+    size_bytes: int
+    mtime: float | None = None
+
+
+@runtime_checkable
+class ObjectWriter(Protocol):
+    """A streaming write to one key; invisible under its key until :meth:`commit`.
+
+    Use as a context manager: leaving the block with an exception aborts the write
+    (the temp file or multipart upload is removed), leaving normally commits.
+    """
+
+    key: str
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data``; returns the number of bytes written."""
+        ...
+
+    def commit(self) -> ObjectInfo:
+        """Make the object durable and visible under its key (atomic)."""
+        ...
+
+    def abort(self) -> None:
+        """Discard everything written; idempotent."""
+        ...
+
+    def __enter__(self) -> ObjectWriter: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Durable object storage rooted at :attr:`url`.
+
+    Errors: every method raises a :class:`ckrun.errors.StorageError` subclass
+    (``StorageFull``, ``StoragePermissionError``, ``ObjectNotFound``, ``ObjectExists``,
+    ``InvalidKey``), chained from the backend's own exception.
+    """
+
+    url: str
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
+        """Store ``data`` under ``key`` atomically and durably.
+
+        Args:
+            if_absent: conditional create; raise ``ObjectExists`` if the key exists
+                (local: ``link(2)``; S3: ``If-None-Match: *``).
+        """
+        ...
+
+    def put_file(self, key: str, path: str) -> ObjectInfo:
+        """Upload a local file under ``key`` (atomic, durable)."""
+        ...
+
+    def open_write(self, key: str) -> ObjectWriter:
+        """Start a streaming write to ``key`` (see :class:`ObjectWriter`)."""
+        ...
+
+    def get(self, key: str) -> bytes:
+        """Return the whole object; ``ObjectNotFound`` if absent."""
+        ...
+
+    def get_file(self, key: str, path: str) -> None:
+        """Download ``key`` to the local ``path`` (atomically replaced)."""
+        ...
+
+    def open_read(self, key: str) -> IO[bytes]:
+        """Open ``key`` for streaming reads (a binary file-like object)."""
+        ...
+
+    def local_path(self, key: str) -> str | None:
+        """The POSIX path of ``key`` when the backend is a local filesystem, else None."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """Metadata of ``key``, or None when it does not exist."""
+        ...
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, sorted by key."""
+        ...
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys``; missing keys are ignored (idempotent)."""
+        ...
+
+
+def validate_key(key: str) -> str:
+    """Check that ``key`` is a safe relative object key and return it normalised.
+
+    Raises:
+        InvalidKey: for an empty key, an absolute path, a ``..`` or ``.`` component, a
+            backslash, a NUL byte or an empty component (``a//b``).
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidKey(f"invalid object key {key!r}: keys are non-empty relative paths")
+    if "\\" in key or "\x00" in key:
+        raise InvalidKey(f"invalid object key {key!r}: backslashes and NUL are not allowed")
+    if key.startswith("/") or posixpath.isabs(key):
+        raise InvalidKey(f"invalid object key {key!r}: absolute keys are not allowed")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise InvalidKey(
+            f"invalid object key {key!r}: '..', '.' and empty components are not allowed"
+        )
+    return key

@@ -1,0 +1,1 @@
+"""Data package: slurm templates shipped inside the ckrun wheel."""
