@@ -36,6 +36,7 @@ ACK_FILE = "ack.json"
 _flag = threading.Event()
 _received: list[int] = []
 _installed: set[int] = set()
+_checks = [0]  # calls of preemption_requested() in this process
 
 
 def control_dir() -> str | None:
@@ -155,8 +156,39 @@ def install_signal_handlers(force: bool = False) -> bool:
     return True
 
 
+def _drill_due() -> bool:
+    """``CKRUN_DRILL_AT_CHECKS``: a drill notice on the Nth check of this attempt.
+
+    The variable holds one count per attempt (``"13,40,7"``: attempt 0 is drilled on its
+    13th call of :func:`preemption_requested`, attempt 1 on its 40th, ...).  Used by
+    ``ckrun check-resume`` to interrupt a run at chosen steps; the notice is published
+    through ``notice.json`` exactly as the supervisor would, so the supervisor sees a
+    drill and the child's save path is the real one.
+    """
+    spec = os.environ.get("CKRUN_DRILL_AT_CHECKS")
+    if not spec:
+        return False
+    try:
+        counts = [int(x) for x in spec.split(",") if x.strip()]
+        attempt = int(os.environ.get("CKRUN_ATTEMPT", "0"))
+    except ValueError:
+        return False
+    if attempt >= len(counts) or _checks[0] != counts[attempt]:
+        return False
+    cdir = control_dir()
+    if cdir:
+        from ckrun.notices import DRILL
+
+        write_notice(cdir, Notice.with_lead(DRILL, "check-resume", 60.0))
+    return True
+
+
 def _local_flag() -> bool:
+    _checks[0] += 1
     if _flag.is_set():
+        return True
+    if _drill_due():
+        _flag.set()
         return True
     cdir = control_dir()
     if cdir and os.path.exists(os.path.join(cdir, NOTICE_FILE)):
@@ -206,3 +238,4 @@ def reset_for_tests() -> None:
     """Clear the flag (tests only)."""
     _flag.clear()
     _received.clear()
+    _checks[0] = 0

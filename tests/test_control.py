@@ -1,0 +1,104 @@
+"""The supervisor ↔ child control channel, with real processes and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ckrun import control
+from ckrun.notices import DRILL, Notice
+
+CHILD = r"""
+import os, sys, time, ckrun
+print("ready", flush=True)
+deadline = time.monotonic() + 20
+n = 0
+while time.monotonic() < deadline:
+    n += 1
+    if ckrun.preemption_requested():
+        print("flag", n, ckrun.control.received_signals(), flush=True)
+        sys.exit(75)
+    time.sleep(0.005)
+sys.exit(3)
+"""
+
+
+def _spawn(tmp_path: Path, **env: str) -> subprocess.Popen[str]:
+    full = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path / "control"), **env)
+    p = subprocess.Popen([sys.executable, "-c", CHILD], env=full, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_sets_flag_instead_of_killing(tmp_path: Path, sig: signal.Signals) -> None:
+    p = _spawn(tmp_path)
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 75
+    assert out.startswith("flag") and str(int(sig)) in out
+
+
+def test_configured_notice_signal(tmp_path: Path) -> None:
+    p = _spawn(tmp_path, CKRUN_NOTICE_SIGNAL="USR2")
+    p.send_signal(signal.SIGUSR2)
+    p.communicate(timeout=20)
+    assert p.returncode == 75
+
+
+def test_notice_file_alone_sets_flag(tmp_path: Path) -> None:
+    p = _spawn(tmp_path)
+    control.write_notice(str(tmp_path / "control"), Notice.with_lead(DRILL, "test", 30))
+    p.communicate(timeout=20)
+    assert p.returncode == 75
+
+
+def test_sigterm_after_escalation_is_fatal(tmp_path: Path) -> None:
+    p = _spawn(tmp_path)
+    control.write_escalation(str(tmp_path / "control"))
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=20)
+    assert p.returncode == -signal.SIGTERM
+
+
+def test_no_handlers_outside_supervisor() -> None:
+    code = "import ckrun, signal; ckrun.preemption_requested(); " \
+           "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    env = {k: v for k, v in os.environ.items() if k != "CKRUN_CONTROL_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "True"
+
+
+def test_drill_at_checks_per_attempt(tmp_path: Path) -> None:
+    for attempt, count in [(0, 7), (1, 3)]:
+        start = time.monotonic()
+        p = _spawn(tmp_path, CKRUN_DRILL_AT_CHECKS="7,3", CKRUN_ATTEMPT=str(attempt))
+        out, _ = p.communicate(timeout=20)
+        assert p.returncode == 75, out
+        assert out.split()[1] == str(count)
+        assert time.monotonic() - start < 15
+        body = json.loads((tmp_path / "control" / "notice.json").read_text())
+        assert body["kind"] == DRILL and body["source"] == "check-resume"
+        control.clear(str(tmp_path / "control"))
+
+
+def test_notice_round_trip_and_ack(tmp_path: Path) -> None:
+    n = Notice.with_lead("preemption", "aws", 120, {"action": "terminate"})
+    control.write_notice(str(tmp_path), n)
+    back = control.read_notice(str(tmp_path))
+    assert back is not None and back.kind == n.kind and back.detail == n.detail
+    assert abs((back.deadline_utc - n.deadline_utc).total_seconds()) < 0.002
+    (tmp_path / control.NOTICE_FILE).write_text("{not json")
+    assert control.read_notice(str(tmp_path)) is None
+    control.write_ack({"step": 12}, str(tmp_path))
+    ack = control.read_ack(str(tmp_path))
+    assert ack is not None and ack["step"] == 12 and ack["pid"] == os.getpid()
