@@ -1,0 +1,88 @@
+"""The run's event log, ``<state root>/events.jsonl``: one JSON object per line.
+
+Every line has ``utc`` (ISO-8601, ms, ``Z``), ``run``, ``attempt`` and ``kind``; most
+also have ``step`` (the checkpoint step the event concerns) and ``seconds`` (a duration).
+Kinds written by the supervisor: ``attempt_start``, ``child_exit``, ``notice``,
+``forward``, ``escalate``, ``kill``, ``preempted``, ``requeue``, ``failure``, ``backoff``,
+``completed``, ``already_complete``, ``incompatible``, ``failed``, ``cancelled``,
+``submitted``, ``supervisor_start``, ``supervisor_exit``.
+
+Appends are one ``write(2)`` of a whole line on an ``O_APPEND`` descriptor followed by
+``fsync``, so concurrent writers never interleave within a line and a crash loses at
+most the line being written; :func:`read_events` skips a torn last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ckrun.notices import iso_utc, utcnow
+
+
+class EventLog:
+    """Appends events of one run.
+
+    Args:
+        path: the ``events.jsonl`` file (its directory is created).
+        run: run name stamped on every line.
+        attempt: initial attempt number stamped on lines (update :attr:`attempt`).
+    """
+
+    def __init__(self, path: str, run: str, attempt: int = 0) -> None:
+        self.path = path
+        self.run = run
+        self.attempt = attempt
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+    def append(
+        self,
+        kind: str,
+        *,
+        step: int | None = None,
+        seconds: float | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Append one event durably and return it.
+
+        Raises:
+            OSError: when the state directory cannot be written.
+        """
+        body: dict[str, Any] = {
+            "utc": iso_utc(utcnow()),
+            "run": self.run,
+            "attempt": self.attempt,
+            "kind": kind,
+        }
+        if step is not None:
+            body["step"] = step
+        if seconds is not None:
+            body["seconds"] = round(seconds, 6)
+        body.update(fields)
+        line = (json.dumps(body, sort_keys=False, default=str) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return body
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    """All events of ``path`` in order; [] when absent; a torn or bad line is skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            out.append(ev)
+    return out

@@ -1,0 +1,238 @@
+"""Child processes of the supervisor: spawn, signal, reap (DESIGN.md §3, §4.5).
+
+* :func:`spawn` starts the command in its own session (``setsid``: the child is leader of
+  a new session and process group whose id is its pid), with default signal dispositions
+  and an empty signal mask, so terminal signals reach only the supervisor, which decides.
+* :func:`deliver` sends the notice signal to every process of the child's session that
+  *catches* it (``SigCgt`` in ``/proc/PID/status``): the training process gets it even
+  when it is a grandchild (``bash -c 'python train.py; ...'``) while a shell wrapper or a
+  DataLoader worker with the default action (terminate) is spared.  Processes that do not
+  catch it still see ``notice.json`` (written first).
+* :func:`signal_session` sends TERM / KILL to the child's process group and any other
+  process left in its session.
+* :func:`reap` collects every exited child with ``waitpid(-1, WNOHANG)``; the supervisor
+  alone waits.  In subreaper mode (:func:`become_subreaper`, ``prctl(2)``
+  ``PR_SET_CHILD_SUBREAPER``) and as PID 1 orphaned descendants are re-parented to the
+  supervisor and reaped here too, so no zombie outlives an attempt.
+
+Exit statuses follow the shell convention: ``0..255`` for a normal exit, ``128 + N`` for
+death by signal ``N`` (``os.waitstatus_to_exitcode`` gives ``-N``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+
+#: Signals reset to their default action in the child (Python ignores SIGPIPE and
+#: SIGXFSZ; the supervisor handles the rest).
+_RESET_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGTERM", "SIGINT", "SIGHUP",
+                                 "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGALRM")
+    if hasattr(signal, n)
+)
+
+
+@dataclass
+class Child:
+    """One spawned child (session and process-group leader).
+
+    Attributes:
+        pid: its pid; also its session id and process-group id.
+        argv: the command it runs.
+        started: ``time.monotonic()`` at spawn, seconds.
+        status: exit status once reaped (``128 + N`` when killed by signal N).
+        exited: ``time.monotonic()`` when reaped.
+    """
+
+    pid: int
+    argv: tuple[str, ...]
+    started: float
+    status: int | None = None
+    exited: float | None = None
+    signalled: list[int] = field(default_factory=list)
+
+    @property
+    def pgid(self) -> int:
+        """Process-group (and session) id: the child's pid."""
+        return self.pid
+
+
+def spawn(
+    argv: Sequence[str], env: Mapping[str, str], *, output_fd: int | None = None
+) -> Child:
+    """Start ``argv`` in a new session with environment ``env``.
+
+    Args:
+        argv: the command; ``argv[0]`` is looked up on ``PATH``.
+        env: the complete environment of the child.
+        output_fd: when given, the child's stdout and stderr go to this descriptor
+            (detached mode); otherwise they are inherited (output streams through).
+
+    Raises:
+        OSError: the command cannot be executed (``ENOENT``, ``EACCES``); the message
+            names the command.
+    """
+    actions = None
+    if output_fd is not None:
+        actions = [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
+    try:
+        pid = os.posix_spawnp(
+            argv[0], list(argv), dict(env), file_actions=actions, setsid=True,
+            setsigmask=(), setsigdef=_RESET_SIGNALS,
+        )
+    except OSError as e:
+        raise OSError(e.errno, f"cannot run {argv[0]!r}: {e.strerror}") from e
+    return Child(pid=pid, argv=tuple(argv), started=time.monotonic())
+
+
+def exit_status(wait_status: int) -> int:
+    """Shell-style status from a raw ``waitpid`` status: code, or 128+N for signal N."""
+    code = os.waitstatus_to_exitcode(wait_status)
+    return 128 - code if code < 0 else code
+
+
+def reap() -> dict[int, int]:
+    """Reap every exited child without blocking: pid -> shell-style status."""
+    out: dict[int, int] = {}
+    while True:
+        try:
+            pid, st = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return out
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; defensive
+            continue
+        if pid == 0:
+            return out
+        if os.WIFSTOPPED(st) or os.WIFCONTINUED(st):
+            continue
+        out[pid] = exit_status(st)
+
+
+def _stat_fields(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgrp, session) of ``pid`` from ``/proc/PID/stat``, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    rest = raw[raw.rfind(b")") + 2:].split()
+    if len(rest) < 4 or rest[0] == b"Z":
+        return None  # zombies are not signalled; they are reaped
+    return int(rest[1]), int(rest[2]), int(rest[3])
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes whose session id is ``sid`` (scans ``/proc``).
+
+    Returns [] when ``/proc`` is unavailable; callers fall back to ``killpg``.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if name.isdigit():
+            st = _stat_fields(int(name))
+            if st is not None and st[2] == sid:
+                out.append(int(name))
+    return sorted(out)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """True when ``pid`` has a handler installed for ``sig`` (``SigCgt`` mask)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _kill(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def deliver(child: Child, sig: int) -> list[int]:
+    """Send the notice signal ``sig`` to the processes of ``child``'s session that catch it.
+
+    Returns:
+        The pids signalled (possibly empty: then only ``notice.json`` informs the child).
+    """
+    sent = [p for p in session_pids(child.pid) if catches(p, sig) and _kill(p, sig)]
+    child.signalled.append(sig)
+    return sent
+
+
+def signal_session(child: Child, sig: int) -> int:
+    """Send ``sig`` to ``child``'s process group and every other process in its session.
+
+    Returns:
+        How many processes were signalled individually (the group send is not counted).
+    """
+    try:
+        os.killpg(child.pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.signalled.append(sig)
+    return sum(_kill(p, sig) for p in session_pids(child.pid))
+
+
+def session_alive(child: Child) -> bool:
+    """True while any non-zombie process of ``child``'s session exists."""
+    if os.path.isdir("/proc/self"):
+        return bool(session_pids(child.pid))
+    try:
+        os.killpg(child.pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ≥ 3.4).
+
+    Returns:
+        True when set (or when this process is PID 1, which reaps orphans anyway);
+        False on other systems.
+    """
+    if os.getpid() == 1:
+        return True
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        rc = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        return False
+    return bool(rc == 0)
+
+
+def is_subreaper() -> bool:
+    """True when ``PR_GET_CHILD_SUBREAPER`` (37) reports this process is a subreaper."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        out = ctypes.c_int(0)
+        if libc.prctl(37, ctypes.byref(out), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return bool(out.value)

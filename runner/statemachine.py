@@ -1,0 +1,463 @@
+"""The supervisor's pure state machine: ``step(state, event) -> (state, actions)``.
+
+DESIGN.md §4.5.  No I/O, no clock, no processes: time arrives inside events as
+``now`` (``time.monotonic()`` seconds), and everything the supervisor must *do* leaves as
+:class:`Action` values that :mod:`ckrun.supervisor`'s loop executes.  Each row of the
+§4.5 table is a unit test of :func:`step` (``tests/supervisor/test_statemachine.py``).
+
+Phases::
+
+    PREFLIGHT → RUNNING → DRAINING → STOPPING → COMPLETED | ALREADY_COMPLETE |
+    INCOMPATIBLE | FAILED | PREEMPTED | REQUEUE_FAILED | CANCELLED
+
+Two refinements of the table, both deliberate:
+
+* ``STOPPING`` + kill delay passes sends KILL and *stays* in ``STOPPING`` until the child
+  is reaped (KILL cannot be ignored, so that is milliseconds); the ``PREEMPTED`` step
+  then has the real exit status and the storage check after the child is gone.
+* ``PREEMPTED`` waits for the :class:`Requeued` outcome of the scheduler: restart here
+  (local backend → ``PREFLIGHT`` of the next attempt), requeued (exit 75/76) or failed
+  (``REQUEUE_FAILED``, exit 6).  A SIGTERM aimed at the supervisor itself is never
+  answered by restarting in the same process: the supervisor is being stopped.
+
+Restart policy (DESIGN.md §3): preemptions count against ``max_requeues``; failures of
+the user's command against ``max_failures``; ``crash_loop_failures`` consecutive failures
+without checkpoint progress stop the run (crash-loop guard).  The restart delay after the
+n-th failure is ``min(backoff_max_s, backoff_s * 2**(n-1))`` seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckrun.errors import ExitCode
+
+_TERMINATED_BY_TERM = 128 + int(signal.SIGTERM)
+
+
+class Phase(str, enum.Enum):
+    """Supervisor phases (DESIGN.md §4.5)."""
+
+    PREFLIGHT = "PREFLIGHT"
+    RUNNING = "RUNNING"
+    DRAINING = "DRAINING"
+    STOPPING = "STOPPING"
+    COMPLETED = "COMPLETED"
+    ALREADY_COMPLETE = "ALREADY_COMPLETE"
+    INCOMPATIBLE = "INCOMPATIBLE"
+    FAILED = "FAILED"
+    PREEMPTED = "PREEMPTED"
+    REQUEUE_FAILED = "REQUEUE_FAILED"
+    CANCELLED = "CANCELLED"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Limits and timings (seconds) from the RunConfig."""
+
+    max_requeues: int = 100
+    max_failures: int = 3
+    crash_loop_failures: int = 2
+    grace_s: float = 60.0
+    margin_s: float = 2.0
+    kill_delay_s: float = 10.0
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class State:
+    """Supervisor state; times are monotonic seconds.
+
+    Attributes:
+        base_step: newest committed step when the current attempt started (None: none).
+        child: a child of the current attempt is alive (not yet reaped).
+        notice_at / deadline / kill_at: drain start, TERM-at (before margin), KILL-at.
+        self_term: the supervisor itself got SIGTERM (never restart in place).
+        interrupted: INT/HUP/QUIT forwarded to the child (it is being stopped by the user).
+    """
+
+    policy: Policy = field(default_factory=Policy)
+    phase: Phase = Phase.PREFLIGHT
+    attempt: int = 0
+    failures: int = 0
+    preemptions: int = 0
+    no_progress: int = 0
+    base_step: int | None = None
+    child: bool = False
+    notice_kind: str | None = None
+    notice_source: str | None = None
+    notice_at: float | None = None
+    deadline: float | None = None
+    kill_at: float | None = None
+    killed: bool = False
+    respawn_at: float | None = None
+    cancel: bool = False
+    self_term: bool = False
+    interrupted: int | None = None
+    pending_code: int | None = None
+    exit_code: int | None = None
+    why: str = ""
+
+
+# ---------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Preflighted:
+    """Preflight result: ``outcome`` is ready | complete | incompatible | cancelled."""
+
+    outcome: str
+    step: int | None = None
+    diff: tuple[str, ...] = ()
+    detail: str = ""
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class SpawnFailed:
+    """The command could not be executed."""
+
+    error: str
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChildExited:
+    """The attempt's child was reaped and its session is empty.
+
+    Attributes:
+        status: shell-style exit status (128+N for signal N).
+        newest_step: newest committed step in storage now (None: none).
+        complete: a valid COMPLETE.json exists now.
+    """
+
+    status: int
+    newest_step: int | None = None
+    complete: bool = False
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class NoticeEvent:
+    """A notice: ``deadline`` is monotonic seconds (capped by grace in :func:`step`)."""
+
+    kind: str
+    source: str
+    deadline: float
+    now: float = 0.0
+    self_term: bool = False
+    cancel: bool = False
+
+
+@dataclass(frozen=True)
+class Forward:
+    """INT, HUP or QUIT for the child's group."""
+
+    sig: int
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passes."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Requeued:
+    """The scheduler's answer: ``outcome`` is restart_here | requeued | failed."""
+
+    outcome: str
+    detail: str = ""
+    now: float = 0.0
+
+
+Event = Preflighted | SpawnFailed | ChildExited | NoticeEvent | Forward | Tick | Requeued
+
+
+# ---------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class RunPreflight:
+    """Run preflight and feed back :class:`Preflighted`."""
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Start attempt ``attempt`` (resuming from ``resume_step``)."""
+
+    attempt: int
+    resume_step: int | None
+
+
+@dataclass(frozen=True)
+class WriteNotice:
+    """Write ``notice.json`` with a deadline ``seconds_left`` from now."""
+
+    kind: str
+    source: str
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Send the notice signal to the child's processes that catch it."""
+
+
+@dataclass(frozen=True)
+class SignalGroup:
+    """Send ``sig`` to the child's process group / session."""
+
+    sig: int
+
+
+@dataclass(frozen=True)
+class Escalate:
+    """Write the escalation marker, then TERM the child's session."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """KILL everything left in the child's session."""
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """Ask the scheduler for the next attempt; feed back :class:`Requeued`."""
+
+
+@dataclass(frozen=True)
+class Log:
+    """Print ``message`` (``[ckrun]`` prefixed) and append event ``kind`` with ``fields``."""
+
+    kind: str
+    message: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The supervisor exits with ``code``."""
+
+    code: int
+
+
+Action = (RunPreflight | Spawn | WriteNotice | Deliver | SignalGroup | Escalate | Kill
+          | Requeue | Log | Exit)
+Result = tuple[State, list[Action]]
+
+TERMINAL = frozenset({Phase.COMPLETED, Phase.ALREADY_COMPLETE, Phase.INCOMPATIBLE,
+                      Phase.FAILED, Phase.REQUEUE_FAILED, Phase.CANCELLED})
+
+
+def _r(s: State, **kw: Any) -> State:
+    return dataclasses.replace(s, **kw)
+
+
+def _stop(s: State, phase: Phase, code: int, kind: str, msg: str, **f: Any) -> Result:
+    s = _r(s, phase=phase, exit_code=code, why=msg, child=False)
+    return s, [Log(kind, msg, dict(f, exit_code=code)), Exit(code)]
+
+
+def _newer(step: int | None, base: int | None) -> bool:
+    return step is not None and (base is None or step > base)
+
+
+def step(s: State, ev: Event) -> Result:
+    """Advance the machine by one event. Pure: same input, same output.
+
+    Returns:
+        The new state and the actions to execute, in order.
+    """
+    if s.phase in TERMINAL or s.exit_code is not None:
+        return s, []
+    if isinstance(ev, Preflighted):
+        return _preflighted(s, ev)
+    if isinstance(ev, SpawnFailed):
+        return _stop(s, Phase.FAILED, ExitCode.CHILD_FAILED, "failed",
+                     f"cannot start the command: {ev.error}; fix the command line")
+    if isinstance(ev, NoticeEvent):
+        return _notice(s, ev)
+    if isinstance(ev, Forward):
+        return _forward(s, ev)
+    if isinstance(ev, Tick):
+        return _tick(s, ev)
+    if isinstance(ev, ChildExited):
+        return _exited(s, ev)
+    return _requeued(s, ev)
+
+
+def _preflighted(s: State, ev: Preflighted) -> Result:
+    if s.phase is not Phase.PREFLIGHT:
+        return s, []
+    if ev.outcome == "complete":
+        return _stop(s, Phase.ALREADY_COMPLETE, ExitCode.OK, "already_complete",
+                     f"run already complete ({ev.detail or 'COMPLETE.json'}); "
+                     "not starting the command", step=ev.step)
+    if ev.outcome == "incompatible":
+        return _stop(s, Phase.INCOMPATIBLE, ExitCode.INCOMPATIBLE, "incompatible",
+                     "newest checkpoint is incompatible with run.json: "
+                     + "; ".join(ev.diff) + " (use --allow-change FIELD to accept)",
+                     step=ev.step, diff=list(ev.diff))
+    if ev.outcome == "cancelled" or s.cancel:
+        return _stop(s, Phase.CANCELLED, ExitCode.OK, "cancelled",
+                     "run was cancelled; `ckrun submit` the run again to resume it")
+    attempt = s.attempt + 1
+    s = _r(s, phase=Phase.RUNNING, attempt=attempt, base_step=ev.step, child=True,
+           notice_kind=None, notice_source=None, notice_at=None, deadline=None,
+           kill_at=None, killed=False, respawn_at=None, interrupted=None)
+    where = f"resuming from step {ev.step}" if ev.step is not None else "from scratch"
+    return s, [Spawn(attempt, ev.step),
+               Log("attempt_start", f"attempt {attempt} started, {where}", {"step": ev.step})]
+
+
+def _notice(s: State, ev: NoticeEvent) -> Result:
+    s = _r(s, cancel=s.cancel or ev.cancel, self_term=s.self_term or ev.self_term)
+    what = f"notice {ev.source} ({ev.kind})"
+    if s.phase in (Phase.DRAINING, Phase.STOPPING):
+        dl = min(s.deadline or ev.deadline, ev.deadline)
+        s = _r(s, deadline=dl if s.phase is Phase.DRAINING else s.deadline)
+        return s, [Log("notice", f"{what} while draining; keeping the earlier deadline",
+                       {"source": ev.source, "notice_kind": ev.kind})]
+    if s.phase is Phase.RUNNING and s.child:
+        dl = min(ev.deadline, ev.now + s.policy.grace_s)
+        s = _r(s, phase=Phase.DRAINING, notice_kind=ev.kind, notice_source=ev.source,
+               notice_at=ev.now, deadline=dl)
+        return s, [WriteNotice(ev.kind, ev.source, dl - ev.now), Deliver(),
+                   Log("notice", what, {"source": ev.source, "notice_kind": ev.kind,
+                                        "seconds_left": round(dl - ev.now, 3)})]
+    # No child (backoff between failures, or before the spawn): nothing to drain.
+    s = _r(s, notice_kind=ev.kind, notice_source=ev.source, notice_at=ev.now,
+           preemptions=s.preemptions + 1)
+    return _preempted(s, False, ev.now, [Log("notice", what + " with no child running",
+                                             {"source": ev.source})])
+
+
+def _forward(s: State, ev: Forward) -> Result:
+    name = signal.Signals(ev.sig).name
+    if s.child:
+        return _r(s, interrupted=ev.sig), [SignalGroup(ev.sig),
+                                          Log("forward", f"forwarded {name} to the child",
+                                              {"signal": name})]
+    return _stop(s, Phase.FAILED, ExitCode.CHILD_FAILED, "failed",
+                 f"stopped by {name} while no child was running")
+
+
+def _tick(s: State, ev: Tick) -> Result:
+    p = s.policy
+    if s.phase is Phase.RUNNING and not s.child and s.respawn_at is not None:
+        if ev.now >= s.respawn_at:
+            return _r(s, phase=Phase.PREFLIGHT, respawn_at=None), [RunPreflight()]
+    elif s.phase is Phase.DRAINING and s.deadline is not None:
+        if ev.now >= s.deadline - p.margin_s:
+            s = _r(s, phase=Phase.STOPPING, kill_at=ev.now + p.kill_delay_s)
+            waited = ev.now - (s.notice_at or ev.now)
+            return s, [Escalate(), Log("escalate", f"no exit {waited:.1f} s after the notice: "
+                                       "sent TERM to the child's group",
+                                       {"seconds": round(waited, 3)})]
+    elif s.phase is Phase.STOPPING and not s.killed and s.kill_at is not None:
+        if ev.now >= s.kill_at:
+            return _r(s, killed=True), [Kill(), Log("kill", f"still alive {p.kill_delay_s:g} s "
+                                                    "after TERM: sent KILL")]
+    return s, []
+
+
+def _exited(s: State, ev: ChildExited) -> Result:
+    if not s.child:
+        return s, []
+    progress = _newer(ev.newest_step, s.base_step)
+    s = _r(s, child=False)
+    log = Log("child_exit", f"child exited with status {ev.status}",
+              {"status": ev.status, "step": ev.newest_step})
+    if ev.status == 0 and (s.phase is Phase.RUNNING or ev.complete):
+        tail = "" if ev.complete else " (no COMPLETE.json: the command did not finalize)"
+        s, acts = _stop(s, Phase.COMPLETED, ExitCode.OK, "completed",
+                        f"run completed{tail}", step=ev.newest_step, marker=ev.complete)
+        return s, [log, *acts]
+    if ev.status == ExitCode.INCOMPATIBLE:
+        s, acts = _stop(s, Phase.INCOMPATIBLE, ExitCode.INCOMPATIBLE, "incompatible",
+                        "the command refused the checkpoint as incompatible (exit 4)")
+        return s, [log, *acts]
+    if s.phase is Phase.RUNNING:
+        return _exited_running(s, ev, progress, log)
+    s = _r(s, preemptions=s.preemptions + 1)
+    return _preempted(s, progress, ev.now, [log], ev.newest_step)
+
+
+def _exited_running(s: State, ev: ChildExited, progress: bool, log: Log) -> Result:
+    p = s.policy
+    if ev.status == ExitCode.CONFIG_INVALID:
+        s, acts = _stop(s, Phase.FAILED, ExitCode.CONFIG_INVALID, "failed",
+                        "the command reported an invalid config (exit 3)")
+        return s, [log, *acts]
+    if s.interrupted is not None:
+        name = signal.Signals(s.interrupted).name
+        s, acts = _stop(s, Phase.FAILED, ExitCode.CHILD_FAILED, "failed",
+                        f"child stopped after a forwarded {name}; not restarting")
+        return s, [log, *acts]
+    if ev.status in (ExitCode.PREEMPTED, ExitCode.PREEMPTED_NO_CHECKPOINT, _TERMINATED_BY_TERM):
+        s = _r(s, preemptions=s.preemptions + 1, notice_kind="termination",
+               notice_source="child", notice_at=ev.now)
+        return _preempted(s, progress, ev.now, [log], ev.newest_step)
+    failures = s.failures + 1
+    no_progress = 0 if progress else s.no_progress + 1
+    s = _r(s, failures=failures, no_progress=no_progress)
+    if failures > p.max_failures:
+        s, acts = _stop(s, Phase.FAILED, ExitCode.CHILD_FAILED, "failed",
+                        f"failure budget spent: {failures} failures > max_failures "
+                        f"{p.max_failures}; see the output above", failures=failures)
+        return s, [log, *acts]
+    if no_progress >= p.crash_loop_failures:
+        s, acts = _stop(s, Phase.FAILED, ExitCode.CHILD_FAILED, "failed",
+                        f"crash loop: {no_progress} failures in a row with no checkpoint "
+                        f"progress (newest step {ev.newest_step}); fix the error above, "
+                        "then run again", failures=failures)
+        return s, [log, *acts]
+    delay = min(p.backoff_max_s, p.backoff_s * 2 ** (failures - 1))
+    s = _r(s, respawn_at=ev.now + delay)
+    return s, [log, Log("backoff", f"failure {failures}/{p.max_failures}; restarting in "
+                        f"{delay:g} s", {"seconds": delay, "failures": failures})]
+
+
+def _preempted(
+    s: State, progress: bool, now: float, acts: list[Action], step_: int | None = None
+) -> Result:
+    code = ExitCode.PREEMPTED if progress else ExitCode.PREEMPTED_NO_CHECKPOINT
+    s = _r(s, phase=Phase.PREEMPTED, exit_code=None, child=False)
+    took = now - (s.notice_at if s.notice_at is not None else now)
+    ck = (f"checkpoint step {step_} committed in {took:.1f} s" if progress
+          else f"no new checkpoint (last step {s.base_step})")
+    fields = {"step": step_ if progress else s.base_step, "seconds": round(took, 3),
+              "new_checkpoint": progress, "exit_code": int(code)}
+    if s.cancel:
+        s, more = _stop(s, Phase.CANCELLED, ExitCode.OK, "cancelled", f"cancelled; {ck}",
+                        **fields)
+        return s, [*acts, *more]
+    budget = f"requeue {s.preemptions}/{s.policy.max_requeues}"
+    if s.preemptions > s.policy.max_requeues:
+        s = _r(s, exit_code=int(code), why="requeue budget spent")
+        return s, [*acts, Log("preempted", f"{ck}; {budget}: budget spent, not requeueing",
+                              fields), Exit(int(code))]
+    s = _r(s, why=ck, pending_code=int(code))
+    return s, [*acts, Log("preempted", f"{ck}, {budget}", fields), Requeue()]
+
+
+def _requeued(s: State, ev: Requeued) -> Result:
+    if s.phase is not Phase.PREEMPTED:
+        return s, []
+    code = s.pending_code if s.pending_code is not None else ExitCode.PREEMPTED_NO_CHECKPOINT
+    if ev.outcome == "failed":
+        return _stop(s, Phase.REQUEUE_FAILED, ExitCode.REQUEUE_FAILED, "requeue_failed",
+                     f"requeue failed: {ev.detail}; the checkpoint is intact, resubmit")
+    if ev.outcome == "restart_here" and not s.self_term:
+        s = _r(s, phase=Phase.PREFLIGHT)
+        return s, [Log("requeue", "restarting here", {"outcome": ev.outcome}), RunPreflight()]
+    msg = ("the supervisor itself got SIGTERM: not restarting in place; `ckrun run` or "
+           "`ckrun submit` again resumes" if ev.outcome == "restart_here"
+           else f"requeued by the scheduler{': ' + ev.detail if ev.detail else ''}")
+    s = _r(s, exit_code=int(code))
+    return s, [Log("requeue", msg, {"outcome": ev.outcome, "exit_code": int(code)}),
+               Exit(int(code))]
