@@ -1,0 +1,288 @@
+"""Kubernetes API calls of the k8s backend, through the official ``kubernetes`` client.
+
+The client is imported lazily (``pip install 'ckrun[k8s]'``) and configured from, in
+order: ``Options.kubeconfig``, ``$KUBECONFIG`` / ``~/.kube/config`` (with
+``Options.context``), or the in-cluster service account when ``KUBERNETES_SERVICE_HOST``
+is set and no kubeconfig exists.  Credentials are never part of ckrun's config.
+
+Reads ask for the raw JSON (``_preload_content=False``) so the state mapping works on the
+wire format (camelCase) and tolerates fields newer than the client.  API errors are
+mapped at this boundary onto :class:`~ckrun.errors.SchedulerError` with a message that
+names the fix, chained with ``from``.
+
+REST paths used (Kubernetes API reference, batch/v1 Job and core/v1 Pod):
+``POST /apis/batch/v1/namespaces/{ns}/jobs``, ``GET|DELETE .../jobs/{name}``,
+``GET /api/v1/namespaces/{ns}/pods?labelSelector=batch.kubernetes.io/job-name={name}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ckrun.errors import SchedulerError
+from ckrun.scheduler.base import JobState
+
+#: Seconds one API call may take (connect, read).
+REQUEST_TIMEOUT_S = (10.0, 30.0)
+_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+
+
+class ApiHandle:
+    """A configured ``ApiClient`` with the two API groups ckrun uses.
+
+    Args:
+        kubeconfig: kubeconfig path; empty: the client's defaults.
+        context: kubeconfig context; empty: the current one.
+
+    Raises:
+        SchedulerError: the ``kubernetes`` package is missing or no configuration is found.
+    """
+
+    def __init__(self, kubeconfig: str = "", context: str = "") -> None:
+        try:
+            from kubernetes import client, config
+        except ImportError as exc:
+            raise SchedulerError(
+                "the k8s backend needs the kubernetes client: pip install 'ckrun[k8s]'"
+            ) from exc
+        cfg = client.Configuration()
+        path = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+        path = os.path.expanduser(path or "~/.kube/config")
+        try:
+            if os.path.exists(path) or kubeconfig:
+                config.load_kube_config(  # type: ignore[no-untyped-call]
+                    config_file=path,
+                    context=context or None,
+                    client_configuration=cfg,
+                    persist_config=False,
+                )
+            elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+                config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+            else:
+                raise config.ConfigException(f"{path} does not exist")
+        except config.ConfigException as exc:
+            raise SchedulerError(
+                f"no Kubernetes configuration: {exc}; set KUBECONFIG (or kubeconfig: in "
+                "the profile) or run inside a pod with a service account (k8s/rbac.yaml)"
+            ) from exc
+        self.host: str = str(cfg.host)
+        self.client: Any = client.ApiClient(cfg)
+        self.batch: Any = client.BatchV1Api(self.client)
+        self.core: Any = client.CoreV1Api(self.client)
+        self.models: Any = client
+        import urllib3
+
+        #: what a failed call raises: API errors (``.status``) and transport errors.
+        self.errors: tuple[type[BaseException], ...] = (
+            client.exceptions.ApiException,
+            urllib3.exceptions.HTTPError,
+            OSError,
+        )
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self.client.close()
+
+
+def map_api_error(exc: BaseException, *, what: str, host: str) -> SchedulerError:
+    """Map a client exception onto a :class:`SchedulerError` naming the fix.
+
+    Args:
+        exc: an ``ApiException`` (has ``.status``) or a urllib3 connection error.
+        what: the operation, e.g. ``"create Job ns/name"``.
+        host: the API server URL.
+    """
+    status = getattr(exc, "status", None)
+    if status is None or status == 0:
+        return SchedulerError(
+            f"cannot {what}: the Kubernetes API server at {host} is unreachable ({exc}); "
+            "check the kubeconfig context and the network"
+        )
+    reason = _status_message(exc)
+    if status in (401, 403):
+        return SchedulerError(
+            f"cannot {what}: {status} {reason}; the user or service account needs "
+            "create/get/list/delete on jobs.batch and get/list on pods in that namespace "
+            "(see k8s/rbac.yaml)"
+        )
+    return SchedulerError(f"cannot {what}: HTTP {status} {reason}")
+
+
+def _status_message(exc: BaseException) -> str:
+    body = getattr(exc, "body", None)
+    try:
+        return str(json.loads(body)["message"]) if body else str(getattr(exc, "reason", ""))
+    except (ValueError, KeyError, TypeError):
+        return str(getattr(exc, "reason", "") or body)
+
+
+def _is_status(exc: BaseException, code: int) -> bool:
+    return getattr(exc, "status", None) == code
+
+
+def create_job(api: ApiHandle, doc: dict[str, Any]) -> str:
+    """Create the Job ``doc``; return ``"namespace/name"``.
+
+    Raises:
+        SchedulerError: 409 (a Job of that name exists; the message says how to resume
+            or start over), 401/403 (RBAC), unreachable server, or any other API error.
+    """
+    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+    body = api.models.V1Job.from_dict(doc)
+    try:
+        api.batch.create_namespaced_job(ns, body, _request_timeout=REQUEST_TIMEOUT_S)
+    except api.errors as exc:
+        if _is_status(exc, 409):
+            raise SchedulerError(
+                f"a Job named {name!r} already exists in namespace {ns!r}: run "
+                f"{doc['metadata']['annotations'].get('ckrun/run', name)!r} was submitted "
+                "before.  It requeues itself after a preemption, so there is nothing to "
+                f"resubmit; to start it again: ckrun cancel {ns}/{name} (or kubectl delete "
+                f"job {name} -n {ns}) and submit again, or choose another --run name"
+            ) from exc
+        raise map_api_error(exc, what=f"create Job {ns}/{name}", host=api.host) from exc
+    return f"{ns}/{name}"
+
+
+def read_job(api: ApiHandle, ns: str, name: str) -> dict[str, Any] | None:
+    """The Job as wire JSON, or None when it does not exist (404)."""
+    try:
+        resp = api.batch.read_namespaced_job(
+            name, ns, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+        )
+    except api.errors as exc:
+        if _is_status(exc, 404):
+            return None
+        raise map_api_error(exc, what=f"read Job {ns}/{name}", host=api.host) from exc
+    job: dict[str, Any] = json.loads(resp.data)
+    return job
+
+
+def list_pods(api: ApiHandle, ns: str, name: str) -> list[dict[str, Any]]:
+    """The Job's pods (label ``batch.kubernetes.io/job-name``) as wire JSON, oldest first."""
+    try:
+        resp = api.core.list_namespaced_pod(
+            ns,
+            label_selector=f"{_JOB_NAME_LABEL}={name}",
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT_S,
+        )
+    except api.errors as exc:
+        raise map_api_error(exc, what=f"list pods of Job {ns}/{name}", host=api.host) from exc
+    items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
+    return sorted(items, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or "")
+
+
+def delete_job(api: ApiHandle, ns: str, name: str) -> bool:
+    """Delete the Job and its pods (foreground propagation); idempotent.
+
+    Returns:
+        True when a Job was deleted, False when none existed (404).
+    """
+    try:
+        api.batch.delete_namespaced_job(
+            name, ns, propagation_policy="Foreground", _request_timeout=REQUEST_TIMEOUT_S
+        )
+    except api.errors as exc:
+        if _is_status(exc, 404):
+            return False
+        raise map_api_error(exc, what=f"delete Job {ns}/{name}", host=api.host) from exc
+    return True
+
+
+def _true_conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    conds = (obj.get("status") or {}).get("conditions") or []
+    return {c["type"]: c for c in conds if c.get("status") == "True" and "type" in c}
+
+
+def exit_code(pod: dict[str, Any], container: str = "ckrun") -> int | None:
+    """Exit code of ``container`` in ``pod`` once it has terminated, else None."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == container:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            code = term.get("exitCode")
+            return int(code) if code is not None else None
+    return None
+
+
+def pod_state(pod: dict[str, Any], requeue_codes: tuple[int, ...]) -> JobState:
+    """What one pod says about the run (pods listed oldest first; the newest decides)."""
+    phase = (pod.get("status") or {}).get("phase") or "Pending"
+    disrupted = "DisruptionTarget" in _true_conditions(pod)
+    terminating = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+    if phase in ("Pending", "Running") and (disrupted or terminating):
+        return JobState.PREEMPTED  # SIGTERM sent: checkpointing within the grace period
+    if phase == "Running":
+        return JobState.RUNNING
+    if phase == "Succeeded":
+        return JobState.COMPLETED
+    if phase == "Failed":
+        if disrupted or exit_code(pod) in requeue_codes:
+            return JobState.REQUEUED  # podFailurePolicy Ignore: a new pod follows
+        return JobState.PENDING  # a counted failure; the controller retries after backoff
+    return JobState.PENDING
+
+
+def job_state(
+    job: dict[str, Any] | None, pods: list[dict[str, Any]], requeue_codes: tuple[int, ...]
+) -> JobState:
+    """Map a Job and its pods (wire JSON) onto a :class:`JobState`.
+
+    Job conditions decide once the Job has finished (``Complete``/``SuccessCriteriaMet``
+    → COMPLETED; ``Failed``/``FailureTarget`` → FAILED, or TIMEOUT for
+    ``DeadlineExceeded``); a Job being deleted is CANCELLED; otherwise the newest pod
+    decides (:func:`pod_state`).  A missing Job (None) is UNKNOWN.
+    """
+    if job is None:
+        return JobState.UNKNOWN
+    if (job.get("metadata") or {}).get("deletionTimestamp"):
+        return JobState.CANCELLED
+    conds = _true_conditions(job)
+    if "Complete" in conds or "SuccessCriteriaMet" in conds:
+        return JobState.COMPLETED
+    for kind in ("Failed", "FailureTarget"):
+        if kind in conds:
+            deadline = conds[kind].get("reason") == "DeadlineExceeded"
+            return JobState.TIMEOUT if deadline else JobState.FAILED
+    if "Suspended" in conds or not pods:
+        return JobState.PENDING
+    return pod_state(pods[-1], requeue_codes)
+
+
+def describe(
+    job: dict[str, Any] | None, pods: list[dict[str, Any]], requeue_codes: tuple[int, ...]
+) -> dict[str, Any]:
+    """A JSON-ready summary for ``ckrun status``: Job counters and conditions, pod phases.
+
+    Returns:
+        ``{"found", "state", "active", "succeeded", "failed", "conditions": [..],
+        "pods": [{"name", "phase", "exit_code", "reason", "node", "disrupted"}]}``.
+    """
+    status = (job or {}).get("status") or {}
+    out: dict[str, Any] = {
+        "found": job is not None,
+        "state": job_state(job, pods, requeue_codes).value,
+        "active": status.get("active", 0),
+        "succeeded": status.get("succeeded", 0),
+        "failed": status.get("failed", 0),
+        "conditions": [
+            f"{t}: {c.get('reason', '')}".rstrip(": ")
+            for t, c in _true_conditions(job or {}).items()
+        ],
+        "pods": [],
+    }
+    for pod in pods:
+        pst = pod.get("status") or {}
+        out["pods"].append(
+            {
+                "name": (pod.get("metadata") or {}).get("name", ""),
+                "phase": pst.get("phase", "Pending"),
+                "exit_code": exit_code(pod),
+                "reason": pst.get("reason", ""),
+                "node": (pod.get("spec") or {}).get("nodeName", ""),
+                "disrupted": "DisruptionTarget" in _true_conditions(pod),
+            }
+        )
+    return out
