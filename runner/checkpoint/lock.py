@@ -1,0 +1,90 @@
+"""The checkpoint writer lock ``locks/writer.lock`` (filelock, ``flock(2)``).
+
+One process writes checkpoints of a run at a time.  The holder's host, pid, attempt and
+start time go to ``locks/writer.holder.json`` right after the lock is taken, so a second
+writer gets :class:`ckrun.errors.RunLocked` naming the holder.  The OS releases the lock
+when the holder dies (even by SIGKILL), so a stale holder file never blocks a new one.
+Non-local storage (S3) has no lock file; there the supervisor's lock is the guard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from typing import Any
+
+from ckrun.checkpoint import layout
+from ckrun.checkpoint.manifest import utc_now
+from ckrun.errors import RunLocked, StorageError
+from ckrun.storage.base import Storage
+from filelock import FileLock, Timeout
+
+log = logging.getLogger(__name__)
+
+
+class WriterLock:
+    """Exclusive writer lock on a run root.
+
+    Args:
+        storage: the run root.
+        run: run id (for messages).
+        attempt: this process's attempt number.
+    """
+
+    def __init__(self, storage: Storage, *, run: str, attempt: int):
+        self._storage = storage
+        self._run = run
+        self._attempt = attempt
+        path = storage.local_path(layout.WRITER_LOCK)
+        self._lock: FileLock | None = None
+        if path is not None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._lock = FileLock(path, timeout=0, thread_local=False)
+
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock."""
+        return self._lock is not None and self._lock.is_locked
+
+    def acquire(self) -> None:
+        """Take the lock (no waiting) and record the holder.
+
+        Raises:
+            RunLocked: another live process holds it; the message names host, pid and
+                attempt from the holder file.
+        """
+        if self._lock is None or self._lock.is_locked:
+            return
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout as e:
+            holder = self.holder()
+            who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "attempt", "since")
+                            if k in holder) or "holder unknown"
+            raise RunLocked(
+                f"run {self._run!r} at {self._storage.url} is being written by another "
+                f"process ({who}); stop that process or use another run directory",
+                holder=holder,
+            ) from e
+        body = {"host": socket.gethostname(), "pid": os.getpid(), "attempt": self._attempt,
+                "run": self._run, "since": utc_now()}
+        try:
+            self._storage.put(layout.WRITER_HOLDER, json.dumps(body).encode())
+        except StorageError:
+            self._lock.release()
+            raise
+
+    def holder(self) -> dict[str, Any]:
+        """The recorded holder (``host``, ``pid``, ``attempt``, ``since``), or ``{}``."""
+        try:
+            body = json.loads(self._storage.get(layout.WRITER_HOLDER))
+        except (StorageError, ValueError):
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    def release(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._lock is not None and self._lock.is_locked:
+            self._lock.release(force=True)

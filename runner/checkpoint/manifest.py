@@ -1,0 +1,261 @@
+"""The checkpoint manifest: strict, versioned JSON that commits one checkpoint.
+
+A checkpoint exists exactly when its ``manifest.json`` does (DESIGN.md §3, commit
+protocol).  The manifest lists every shard with its size and CRC32C checksum, the
+compat block compared before any resume, metrics, the step this attempt resumed from
+and timings.  It holds keys relative to the run root only, never absolute or private
+paths; :meth:`Manifest.from_json` rejects a key with ``..``, an absolute key, or one
+outside the checkpoint's own step directory.  No torch import here: the supervisor's
+preflight reads manifests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from ckrun.checkpoint import layout
+from ckrun.errors import CorruptCheckpoint, InvalidKey
+from ckrun.storage.base import validate_key
+
+FORMAT = "ckrun.manifest"
+FORMAT_VERSION = 1
+Kind = Literal["recovery", "milestone", "final"]
+KINDS: tuple[str, ...] = ("recovery", "milestone", "final")
+CHECKSUM_ALGO = "crc32c"
+
+
+class UnsupportedFormat(CorruptCheckpoint):
+    """A manifest, marker or shard carries a format version this ckrun cannot read."""
+
+
+def utc_now() -> str:
+    """The current time as UTC ISO-8601 with microseconds and a ``Z`` suffix."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard file of a checkpoint.
+
+    Attributes:
+        key: object key relative to the run root.
+        rank: the rank that wrote it (0 for a single process).
+        size_bytes: exact file size in bytes.
+        checksum: ``"crc32c:%08x"`` of the whole file.
+    """
+
+    key: str
+    rank: int
+    size_bytes: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "rank": self.rank, "size_bytes": self.size_bytes,
+                "checksum": self.checksum}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint (see the module docstring).
+
+    Attributes:
+        run: run id.
+        step: training step the state belongs to.
+        kind: ``recovery``, ``milestone`` or ``final``.
+        attempt: attempt number that wrote it.
+        world_size: number of ranks (one shard per rank).
+        shards: the shard files, by rank.
+        compat: the compat block (JSON values), compared before resuming.
+        metrics: user metrics passed to ``save`` (JSON values).
+        resumed_from: the step this attempt resumed from, or None.
+        created_utc: when the save started (UTC ISO-8601).
+        committed_utc: when the manifest was written (UTC ISO-8601).
+        save_duration_s: seconds from the start of the save to the commit.
+        versions: ``ckrun``, ``torch``, ``python`` versions of the writer.
+        compat_drift: allowed or warned compat differences against ``resumed_from``.
+        key: where this manifest was read from or written to (not serialised).
+    """
+
+    run: str
+    step: int
+    kind: str
+    attempt: int
+    world_size: int
+    shards: tuple[ShardInfo, ...]
+    compat: dict[str, Any]
+    metrics: dict[str, Any]
+    resumed_from: int | None
+    created_utc: str
+    committed_utc: str
+    save_duration_s: float
+    versions: dict[str, str] = field(default_factory=dict)
+    compat_drift: tuple[str, ...] = ()
+    key: str = field(default="", compare=False)
+
+    @property
+    def total_size_bytes(self) -> int:
+        """Sum of the shard sizes in bytes."""
+        return sum(s.size_bytes for s in self.shards)
+
+    @property
+    def area(self) -> layout.Area:
+        """``final`` for the final artifact, else ``checkpoints``."""
+        return "final" if self.kind == "final" else "checkpoints"
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as a JSON object (format and version included)."""
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "run": self.run,
+            "step": self.step,
+            "kind": self.kind,
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            "shards": [s.to_json() for s in self.shards],
+            "compat": self.compat,
+            "metrics": self.metrics,
+            "resumed_from": self.resumed_from,
+            "created_utc": self.created_utc,
+            "committed_utc": self.committed_utc,
+            "save_duration_s": self.save_duration_s,
+            "versions": self.versions,
+            "compat_drift": list(self.compat_drift),
+        }
+
+    def dumps(self) -> bytes:
+        """Strict JSON bytes (``allow_nan=False``, sorted keys)."""
+        try:
+            text = json.dumps(self.to_json(), sort_keys=True, indent=1, allow_nan=False)
+        except ValueError as e:
+            raise ValueError(f"manifest of step {self.step} is not strict JSON: {e}") from e
+        return text.encode()
+
+    @classmethod
+    def loads(cls, data: bytes, *, key: str = "") -> Manifest:
+        """Parse and validate manifest bytes.
+
+        Raises:
+            UnsupportedFormat: unknown format name or version.
+            CorruptCheckpoint: not JSON, a missing/extra/mistyped field, a bad key.
+        """
+        try:
+            obj = json.loads(data, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptCheckpoint(f"{key or 'manifest'}: not valid JSON ({e})", key=key) from e
+        return cls.from_json(obj, key=key)
+
+    @classmethod
+    def from_json(cls, obj: Any, *, key: str = "") -> Manifest:
+        """Validate a parsed JSON object (see :meth:`loads` for errors)."""
+        where = key or "manifest"
+        if not isinstance(obj, dict):
+            raise CorruptCheckpoint(f"{where}: expected a JSON object", key=key)
+        check_format(obj, FORMAT, FORMAT_VERSION, where)
+        expected = set(Manifest.__dataclass_fields__) - {"key"} | {"format", "format_version"}
+        _exact_fields(obj, expected, where)
+        step = _typed(obj, "step", int, where)
+        kind = _typed(obj, "kind", str, where)
+        if kind not in KINDS or step < 0:
+            raise CorruptCheckpoint(f"{where}: invalid kind {kind!r} or step {step}", key=key)
+        area: layout.Area = "final" if kind == "final" else "checkpoints"
+        shards = tuple(_shard(s, step, area, where) for s in _typed(obj, "shards", list, where))
+        world = _typed(obj, "world_size", int, where)
+        if world < 1 or sorted(s.rank for s in shards) != list(range(world)):
+            raise CorruptCheckpoint(
+                f"{where}: shards must cover ranks 0..{world - 1} once each", key=key, step=step
+            )
+        resumed = obj["resumed_from"]
+        if resumed is not None and not _is_int(resumed):
+            raise CorruptCheckpoint(f"{where}: resumed_from must be an int or null", key=key)
+        duration = obj["save_duration_s"]
+        if not isinstance(duration, (int, float)) or isinstance(duration, bool):
+            raise CorruptCheckpoint(f"{where}: save_duration_s must be a number", key=key)
+        drift = _typed(obj, "compat_drift", list, where)
+        return cls(
+            run=_typed(obj, "run", str, where),
+            step=step,
+            kind=kind,
+            attempt=_typed(obj, "attempt", int, where),
+            world_size=world,
+            shards=shards,
+            compat=_typed(obj, "compat", dict, where),
+            metrics=_typed(obj, "metrics", dict, where),
+            resumed_from=resumed,
+            created_utc=_typed(obj, "created_utc", str, where),
+            committed_utc=_typed(obj, "committed_utc", str, where),
+            save_duration_s=float(duration),
+            versions=_typed(obj, "versions", dict, where),
+            compat_drift=tuple(str(d) for d in drift),
+            key=key,
+        )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_format(obj: dict[str, Any], name: str, version: int, where: str) -> None:
+    """Check ``obj["format"] == name`` and a readable ``format_version``.
+
+    Raises:
+        UnsupportedFormat: wrong format name, or a version newer than ``version``.
+    """
+    if obj.get("format") != name:
+        raise UnsupportedFormat(f"{where}: not a {name} document (format={obj.get('format')!r})",
+                                key=where)
+    v = obj.get("format_version")
+    if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= version):
+        raise UnsupportedFormat(
+            f"{where}: unknown format_version {v!r} (this ckrun reads {name} 1..{version}); "
+            "upgrade ckrun to read checkpoints written by a newer version",
+            key=where,
+        )
+
+
+def _exact_fields(obj: dict[str, Any], expected: set[str], where: str) -> None:
+    missing = sorted(expected - obj.keys())
+    extra = sorted(obj.keys() - expected)
+    if missing or extra:
+        raise CorruptCheckpoint(f"{where}: missing fields {missing}, unknown fields {extra}",
+                                key=where)
+
+
+def _typed(obj: dict[str, Any], name: str, typ: type, where: str) -> Any:
+    v = obj.get(name)
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise CorruptCheckpoint(f"{where}: field {name!r} must be {typ.__name__}, got {v!r:.80}",
+                                key=where)
+    return v
+
+
+def _shard(s: Any, step: int, area: layout.Area, where: str) -> ShardInfo:
+    if not isinstance(s, dict):
+        raise CorruptCheckpoint(f"{where}: a shard entry is not an object", key=where)
+    _exact_fields(s, {"key", "rank", "size_bytes", "checksum"}, where)
+    key = _typed(s, "key", str, where)
+    try:
+        validate_key(key)
+    except InvalidKey as e:
+        raise CorruptCheckpoint(f"{where}: shard key rejected: {e}", key=where, step=step) from e
+    if not layout.is_under_step(key, step, area):
+        raise CorruptCheckpoint(
+            f"{where}: shard key {key!r} is not a ckrun shard of {area} step {step}",
+            key=where, step=step,
+        )
+    checksum = _typed(s, "checksum", str, where)
+    algo, _, digest = checksum.partition(":")
+    if algo != CHECKSUM_ALGO or len(digest) != 8:
+        raise CorruptCheckpoint(f"{where}: unsupported checksum {checksum!r}", key=where)
+    size = _typed(s, "size_bytes", int, where)
+    rank = _typed(s, "rank", int, where)
+    if size < 0 or rank < 0:
+        raise CorruptCheckpoint(f"{where}: negative size or rank in shard {key}", key=where)
+    return ShardInfo(key, rank, size, checksum)

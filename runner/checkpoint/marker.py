@@ -1,0 +1,110 @@
+"""The completion marker ``COMPLETE.json`` (DESIGN.md §3, "Completion marker").
+
+Written by :meth:`ckrun.Checkpointer.finalize` after the final artifact's manifest; a
+present, valid marker means no attempt ever runs the child again and ``save`` refuses.
+No torch import: the supervisor's preflight reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ckrun.checkpoint import layout
+from ckrun.checkpoint.manifest import (
+    Manifest,
+    ShardInfo,
+    _exact_fields,
+    _reject_constant,
+    _shard,
+    _typed,
+    check_format,
+    utc_now,
+)
+from ckrun.errors import CorruptCheckpoint
+
+FORMAT = "ckrun.complete"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CompletionMarker:
+    """A parsed ``COMPLETE.json``.
+
+    Attributes:
+        run: run id.
+        final_step: step of the final artifact.
+        shard_count: number of artifact shards (the world size).
+        config_hash: the launch config hash (``launch_hash``) or "" when unknown.
+        artifact_kind: ``"ckrun-shards"`` (the ckrun shard format).
+        manifest_key: key of the final artifact's manifest.
+        artifacts: the artifact shards with sizes and checksums.
+        committed_utc: when the marker was written.
+    """
+
+    run: str
+    final_step: int
+    shard_count: int
+    config_hash: str
+    artifact_kind: str
+    manifest_key: str
+    artifacts: tuple[ShardInfo, ...]
+    committed_utc: str
+
+    @classmethod
+    def for_manifest(cls, m: Manifest) -> CompletionMarker:
+        """The marker describing the final manifest ``m``."""
+        return cls(m.run, m.step, len(m.shards), str(m.compat.get("launch_hash") or ""),
+                   "ckrun-shards", m.key, m.shards, utc_now())
+
+    def dumps(self) -> bytes:
+        """Strict JSON bytes."""
+        body = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "run": self.run,
+            "final_step": self.final_step, "shard_count": self.shard_count,
+            "config_hash": self.config_hash, "artifact_kind": self.artifact_kind,
+            "manifest_key": self.manifest_key,
+            "artifacts": [a.to_json() for a in self.artifacts],
+            "committed_utc": self.committed_utc,
+        }
+        return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode()
+
+    @classmethod
+    def loads(cls, data: bytes) -> CompletionMarker:
+        """Parse and validate.
+
+        Raises:
+            CorruptCheckpoint: unparsable, missing/unknown fields, keys outside the
+                final artifact, shard count not matching the artifacts.
+            UnsupportedFormat: unknown format version.
+        """
+        where = layout.COMPLETE
+        try:
+            obj = json.loads(data, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptCheckpoint(f"{where}: not valid JSON ({e})", key=where) from e
+        if not isinstance(obj, dict):
+            raise CorruptCheckpoint(f"{where}: expected a JSON object", key=where)
+        check_format(obj, FORMAT, FORMAT_VERSION, where)
+        fields = {"format", "format_version", "run", "final_step", "shard_count",
+                  "config_hash", "artifact_kind", "manifest_key", "artifacts",
+                  "committed_utc"}
+        _exact_fields(obj, fields, where)
+        step = _typed(obj, "final_step", int, where)
+        arts = tuple(_shard(a, step, "final", where) for a in _typed(obj, "artifacts", list,
+                                                                     where))
+        count = _typed(obj, "shard_count", int, where)
+        mkey = _typed(obj, "manifest_key", str, where)
+        if count != len(arts) or count < 1 or mkey != layout.manifest_key(step, "final"):
+            raise CorruptCheckpoint(
+                f"{where}: shard_count {count} / manifest_key {mkey!r} do not match the "
+                f"final artifact of step {step}", key=where)
+        return cls(_typed(obj, "run", str, where), step, count,
+                   _typed(obj, "config_hash", str, where),
+                   _typed(obj, "artifact_kind", str, where), mkey, arts,
+                   _typed(obj, "committed_utc", str, where))
+
+    def to_json(self) -> dict[str, Any]:
+        """As a JSON object."""
+        return dict(json.loads(self.dumps()))

@@ -1,0 +1,118 @@
+"""Retention: which committed checkpoints to delete after a commit (no torch import).
+
+Runs only after a commit (DESIGN.md §3 step 5).  Keeps the newest ``keep_last``
+recovery checkpoints, every milestone (``kind == "milestone"`` or a step divisible by
+``milestone_every``), the final artifact, and every protected step (the checkpoint this
+attempt resumed from, the one just committed).  A deleted checkpoint loses its manifest
+first, so it disappears atomically; its shards go next.  Shards no valid manifest names
+(leftovers of killed saves and dead attempts) are collected up to the newest committed
+step.  Only keys :func:`ckrun.checkpoint.layout.parse` recognises are ever deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ckrun.checkpoint import layout
+from ckrun.checkpoint.manifest import Manifest
+from ckrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+def select(
+    steps: Mapping[int, str],
+    *,
+    keep_last: int,
+    milestone_every: int | None = None,
+    protect: Iterable[int] = (),
+) -> set[int]:
+    """Steps to delete among committed recovery/milestone checkpoints (pure).
+
+    Args:
+        steps: committed step → kind (``recovery``/``milestone``/``final``).
+        keep_last: how many of the newest checkpoints to keep (>= 1).
+        milestone_every: steps divisible by this are milestones, kept forever.
+        protect: steps never deleted (resumed-from, just committed).
+
+    Returns:
+        A subset of ``steps``; never the newest, a protected step, a milestone or final.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    keep = set(sorted(steps, reverse=True)[:keep_last]) | set(protect)
+    out = set()
+    for step, kind in steps.items():
+        milestone = kind == "milestone" or bool(milestone_every and step % milestone_every == 0)
+        if step in keep or milestone or kind == "final":
+            continue
+        out.add(step)
+    return out
+
+
+@dataclass
+class Plan:
+    """Keys retention will delete, in order.
+
+    Attributes:
+        manifests: manifest keys of the checkpoints to drop (deleted first).
+        shards: their shard keys plus orphaned shards (deleted second).
+    """
+
+    manifests: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)
+
+
+def plan(
+    storage: Storage,
+    committed: Sequence[Manifest],
+    *,
+    keep_last: int,
+    milestone_every: int | None,
+    protect: Iterable[int],
+    broken_steps: Iterable[int] = (),
+) -> Plan:
+    """The deletions for the ``checkpoints/`` area given its committed manifests.
+
+    Args:
+        committed: valid manifests (any area; only ``checkpoints`` ones are candidates).
+        broken_steps: steps whose manifest exists but is invalid: left alone entirely.
+    """
+    rec = {m.step: m for m in committed if m.area == "checkpoints"}
+    drop = select({s: m.kind for s, m in rec.items()}, keep_last=keep_last,
+                  milestone_every=milestone_every, protect=protect)
+    p = Plan()
+    live: set[str] = set()
+    for step, m in rec.items():
+        keys = [s.key for s in m.shards]
+        if step in drop:
+            p.manifests.append(m.key or layout.manifest_key(step))
+            p.shards.extend(keys)
+        else:
+            live.update(keys)
+    if rec:
+        newest = max(rec)
+        skip = set(broken_steps)
+        for info in storage.list(layout.CHECKPOINTS):
+            k = layout.parse(info.key)
+            if (k is not None and not k.is_manifest and k.area == "checkpoints"
+                    and k.step <= newest and k.step not in skip and info.key not in live
+                    and info.key not in p.shards):
+                p.shards.append(info.key)
+    return p
+
+
+def apply(storage: Storage, p: Plan) -> None:
+    """Delete the plan's manifests, then its shards; sweep stale local temp files."""
+    if p.manifests:
+        storage.delete(p.manifests)
+    if p.shards:
+        storage.delete(p.shards)
+    sweep = getattr(storage, "sweep_temp", None)
+    if callable(sweep):
+        sweep(layout.CHECKPOINTS)
+    if p.manifests or p.shards:
+        log.info("retention removed %d checkpoints and %d shard files",
+                 len(p.manifests), len(p.shards))
