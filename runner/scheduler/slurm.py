@@ -1,0 +1,400 @@
+"""Slurm backend: render and submit through submitit, know the current job, requeue it.
+
+Each task of the job runs the ckrun supervisor (``ckrun run --run NAME --storage URL --
+CMD``), never submitit's pickled-function runner, so submitit's in-job signal handling
+(its USR2 handler, its own ``scontrol requeue`` and ``max_num_timeout``) never runs: the
+supervisor decides checkpoint and requeue.  submitit renders the sbatch script (the same
+text ``--dry-run`` prints and ``submit`` hands to ``sbatch``) and parses the job id.
+
+Signals (DESIGN.md §6, measured on Slurm 22.05): with ``use_srun`` (default) the
+supervisor runs as an ``srun`` step, one task per node, and ``--signal=SIG@lead`` (no
+``B:``) reaches every node's supervisor; a preemption sends SIGTERM to steps at once,
+so the checkpoint happens within ``GraceTime``.  With ``use_srun: false`` (one node) the
+script ``exec``s the supervisor as the batch shell and uses ``--signal=B:SIG@lead``; a
+preemption then reaches it only when ``GraceTime`` ends (``KillWait`` before SIGKILL)
+unless the site sets ``SlurmctldParameters=preempt_send_user_signal``.  Either way the
+time-limit watcher (:meth:`SlurmScheduler.notice_sources`) fires ``lead_s`` before the
+end time read from Slurm, signal or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping
+from typing import Any
+
+from ckrun.errors import ConfigError, RequeueError, SchedulerError
+from ckrun.notices import NoticeSource
+from ckrun.scheduler.base import JobInfo, JobSpec, JobState, RequeueOutcome
+from ckrun.scheduler.slurm_options import Options, options_from_mapping
+from ckrun.scheduler.slurm_watch import (
+    TimeLimitWatcher,
+    parse_job_record,
+    parse_slurm_time,
+    validate_job_id,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Options", "SlurmScheduler", "options_from_mapping"]
+
+#: environment variables the rendered script exports (config.py's ``CKRUN_<KEY>`` names),
+#: so the supervisor in the job uses the lead time and notice signal Slurm was told.
+LEAD_ENV = "CKRUN_LEAD_S"
+SIGNAL_ENV = "CKRUN_NOTICE_SIGNAL"
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CMD_TIMEOUT_S = 60.0
+
+# Slurm job states (squeue(1) "JOB STATE CODES") -> JobState.  PREEMPTED stays its own.
+_STATE_MAP = {
+    "PENDING": JobState.PENDING, "CONFIGURING": JobState.RUNNING,
+    "RUNNING": JobState.RUNNING, "COMPLETING": JobState.RUNNING,
+    "SUSPENDED": JobState.PENDING, "STOPPED": JobState.PENDING,
+    "RESV_DEL_HOLD": JobState.PENDING, "SIGNALING": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING, "RESIZING": JobState.RUNNING,
+    "REQUEUED": JobState.REQUEUED, "REQUEUE_HOLD": JobState.REQUEUED,
+    "REQUEUE_FED": JobState.REQUEUED, "PREEMPTED": JobState.PREEMPTED,
+    "COMPLETED": JobState.COMPLETED, "CANCELLED": JobState.CANCELLED,
+    "REVOKED": JobState.CANCELLED, "TIMEOUT": JobState.TIMEOUT,
+    "DEADLINE": JobState.TIMEOUT, "FAILED": JobState.FAILED,
+    "NODE_FAIL": JobState.FAILED, "BOOT_FAIL": JobState.FAILED,
+    "OUT_OF_MEMORY": JobState.FAILED, "SPECIAL_EXIT": JobState.FAILED,
+}  # fmt: skip
+
+
+class SlurmScheduler:
+    """The Slurm backend of the :class:`~ckrun.scheduler.base.Scheduler` protocol."""
+
+    name = "slurm"
+
+    def __init__(self, options: Options | None = None, *, env: Mapping[str, str] | None = None):
+        """Create the backend.
+
+        Args:
+            options: the profile's Slurm options (``spec.options`` wins in :meth:`render`
+                and :meth:`submit`).  None builds defaults; the watcher's lead time then
+                comes from ``CKRUN_LEAD_S`` when set (the rendered script exports it).
+            env: environment to read the job from (default ``os.environ``; tests).
+
+        Raises:
+            ConfigError: ``CKRUN_LEAD_S`` is not a non-negative whole number.
+        """
+        self._env: Mapping[str, str] = os.environ if env is None else env
+        self.options = options if options is not None else Options()
+        self.lead_s = self.options.lead_s
+        lead = self._env.get(LEAD_ENV, "").strip()
+        if options is None and lead:
+            if not lead.isdigit():
+                raise ConfigError(f"{LEAD_ENV}={lead!r}: give the lead time in whole seconds")
+            self.lead_s = int(lead)
+        self._requeued: set[str] = set()
+
+    # -- rendering and submission ------------------------------------------------------
+
+    def _opts(self, spec: JobSpec) -> Options:
+        return spec.options if isinstance(spec.options, Options) else self.options
+
+    def supervisor_command(self, spec: JobSpec) -> str:
+        """The shell-quoted ``ckrun run --run NAME --storage URL [ARGS] -- CMD`` line."""
+        argv = [*shlex.split(self._opts(spec).launcher), "run", "--run", spec.run]
+        argv += ["--storage", spec.storage, *spec.supervisor_args, "--", *spec.command]
+        return shlex.join(argv)
+
+    def _sbatch_params(self, spec: JobSpec, o: Options) -> dict[str, Any]:
+        if not spec.command:
+            raise ConfigError("no training command given: ckrun submit TRAIN.py ...")
+        prefix = "" if o.use_srun else "B:"
+        extra: dict[str, Any] = {"signal": f"{prefix}{o.signal}@{o.lead_s}", "time": o.time}
+        extra["requeue" if o.requeue else "no_requeue"] = True
+        extra.update(o.sbatch_extra_params())
+        setup = [f"export {LEAD_ENV}={o.lead_s}", f"export {SIGNAL_ENV}=SIG{o.signal}"]
+        for key in sorted(spec.env):
+            if not _ENV_KEY_RE.match(key):
+                raise ConfigError(f"environment name {key!r} is not a valid shell variable name")
+            setup.append(f"export {key}={shlex.quote(spec.env[key])}")
+        setup += list(o.setup)
+        params: dict[str, Any] = {
+            "job_name": spec.run, "partition": o.partition, "nodes": o.nodes,
+            "ntasks_per_node": 1, "gpus_per_node": o.gpus_per_node,
+            "cpus_per_task": o.cpus_per_task, "mem": o.mem, "account": o.account,
+            "qos": o.qos, "wckey": o.wckey, "setup": setup, "use_srun": o.use_srun,
+            "additional_parameters": extra,
+        }  # fmt: skip
+        return params
+
+    def render(self, spec: JobSpec) -> str:
+        """The exact sbatch script :meth:`submit` hands to ``sbatch`` (no side effects).
+
+        Rendered by submitit's ``_make_sbatch_string`` with the supervisor as the
+        command: ``srun ... ckrun run ...`` (``use_srun``) or ``exec ckrun run ...``.
+
+        Raises:
+            ConfigError: no command, a bad environment name, ``spec.env`` setting a
+                different ``CKRUN_NOTICE_SIGNAL`` than the one Slurm will send.
+        """
+        from submitit.slurm.slurm import _make_sbatch_string  # lazy: heavy import
+
+        o = self._opts(spec)
+        wanted = spec.env.get(SIGNAL_ENV, "").upper().removeprefix("SIG")
+        if wanted and wanted != o.signal:
+            raise ConfigError(
+                f"notice signal {wanted} differs from the signal Slurm sends ({o.signal}): "
+                "set the slurm profile's signal and notice_signal to the same value"
+            )
+        env = {k: v for k, v in spec.env.items() if k != SIGNAL_ENV}
+        spec = dataclasses.replace(spec, env=env)
+        command = self.supervisor_command(spec)
+        if not o.use_srun:
+            command = "exec " + command
+        folder = os.path.abspath(o.log_dir)
+        text: str = _make_sbatch_string(
+            command=command, folder=folder, **self._sbatch_params(spec, o)
+        )
+        return text
+
+    def submit(self, spec: JobSpec) -> str:
+        """Submit through submitit's executor; returns the Slurm job id.
+
+        Raises:
+            SchedulerError: ``sbatch``/``srun`` missing, or ``sbatch`` refused the job
+                (its message is included).
+        """
+        script = self.render(spec)
+        if shutil.which("sbatch", path=self._env.get("PATH", os.defpath)) is None:
+            raise SchedulerError(
+                "sbatch not found on PATH: submit from a Slurm login node, or use "
+                "--dry-run to print the script and submit it with sbatch yourself"
+            )
+        o = self._opts(spec)
+        folder = os.path.abspath(o.log_dir)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            executor = _script_executor(folder, script, o.nodes)
+            job = executor._submit_command(self.supervisor_command(spec))
+        except Exception as exc:  # submitit raises RuntimeError/FailedJobError/OSError
+            raise SchedulerError(
+                f"sbatch refused the job: {exc}; check partition/account/qos/time in the "
+                f"profile (the script is printed by `ckrun submit --dry-run`)"
+            ) from exc
+        return str(job.job_id)
+
+    # -- queries -----------------------------------------------------------------------
+
+    def _run(
+        self, argv: list[str], timeout_s: float = _CMD_TIMEOUT_S
+    ) -> subprocess.CompletedProcess[str]:
+        exe = shutil.which(argv[0], path=self._env.get("PATH", os.defpath))
+        if exe is None:
+            raise FileNotFoundError(argv[0])
+        return subprocess.run(
+            [exe, *argv[1:]],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            env=dict(self._env),
+        )
+
+    def job_record(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job -o JOB`` as a dict; empty when unknown or unreachable."""
+        jid = validate_job_id(job_id)
+        try:
+            proc = self._run(["scontrol", "show", "job", "-o", jid])
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("scontrol show job %s failed: %s", jid, exc)
+            return {}
+        lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        return parse_job_record(lines[0]) if proc.returncode == 0 and lines else {}
+
+    def end_time(self, job_id: str) -> dt.datetime | None:
+        """The job's end time (aware UTC) from ``squeue -o %e``, else ``scontrol show job``."""
+        jid = validate_job_id(job_id)
+        try:
+            proc = self._run(["squeue", "-h", "-t", "all", "-j", jid, "-o", "%e"])
+            if proc.returncode == 0 and proc.stdout.strip():
+                end: dt.datetime | None = parse_slurm_time(proc.stdout.splitlines()[0])
+                return end
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.debug("squeue for %s failed (%s); trying scontrol", jid, exc)
+        fallback: dt.datetime | None = parse_slurm_time(self.job_record(jid).get("EndTime", ""))
+        return fallback
+
+    def status(self, job_id: str) -> JobState:
+        """Slurm's state of ``job_id``: squeue (recent jobs), then sacct (accounting).
+
+        ``PREEMPTED`` is kept; UNKNOWN when neither knows the job (squeue forgets a job
+        ``MinJobAge`` seconds after it ends; sacct needs slurmdbd).
+        """
+        jid = validate_job_id(job_id)
+        for argv in (
+            ["squeue", "-h", "-t", "all", "-j", jid, "-o", "%T"],
+            ["sacct", "-n", "-X", "-P", "-j", jid, "-o", "State"],
+        ):
+            try:
+                proc = self._run(argv)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            words = proc.stdout.split()
+            if proc.returncode == 0 and words:
+                return _STATE_MAP.get(words[0].upper(), JobState.UNKNOWN)
+        return JobState.UNKNOWN
+
+    def cancel(self, job_id: str) -> None:
+        """``scancel JOB``; idempotent (a finished or unknown job is not an error).
+
+        Raises:
+            SchedulerError: scancel is missing or failed for another reason.
+        """
+        jid = validate_job_id(job_id)
+        try:
+            proc = self._run(["scancel", jid])
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SchedulerError(
+                f"scancel {jid} failed: {exc}; is this a Slurm login node?"
+            ) from exc
+        err = (proc.stderr or "").lower()
+        if proc.returncode != 0 and not ("invalid job id" in err or "already" in err):
+            raise SchedulerError(f"scancel {jid} failed: {proc.stderr.strip()}")
+
+    # -- inside the job ----------------------------------------------------------------
+
+    def current(self) -> JobInfo | None:
+        """The job this process runs in (from ``SLURM_*``), or None outside Slurm.
+
+        ``job_id`` is ``ARRAYJOB_TASK`` for array tasks; ``attempt`` is
+        ``SLURM_RESTART_COUNT`` (unset on the first run -> 0); ``rank`` is
+        ``SLURM_PROCID`` (the node index with one task per node); the end time is read
+        with :meth:`end_time` (None when Slurm cannot be asked).
+        """
+        env = self._env
+        raw = env.get("SLURM_JOB_ID", "").strip()
+        if not raw:
+            return None
+        array_job, array_task = (
+            env.get("SLURM_ARRAY_JOB_ID", ""),
+            env.get("SLURM_ARRAY_TASK_ID", ""),
+        )
+        job_id = f"{array_job}_{array_task}" if array_job and array_task else raw
+        job_id = validate_job_id(job_id)
+        end = self.end_time(job_id)
+        detail = {
+            "slurm_job_id": raw, "array_job_id": array_job or None,
+            "array_task_id": array_task or None, "node": env.get("SLURMD_NODENAME"),
+            "nnodes": _int(env.get("SLURM_NNODES"), 1), "partition": env.get("SLURM_JOB_PARTITION"),
+            "in_step": "SLURM_STEP_ID" in env, "lead_s": self.lead_s,
+        }  # fmt: skip
+        return JobInfo(
+            backend="slurm",
+            job_id=job_id,
+            attempt=_int(env.get("SLURM_RESTART_COUNT"), 0),
+            rank=_int(env.get("SLURM_PROCID"), 0),
+            time_limit_end_utc=_iso(end),
+            detail=detail,
+        )
+
+    def notice_sources(self, job: JobInfo | None) -> list[NoticeSource]:
+        """The time-limit watcher for ``job`` (fires ``lead_s`` before its end time)."""
+        if job is None or job.backend != "slurm":
+            return []
+        return [TimeLimitWatcher(validate_job_id(job.job_id), self.lead_s, self.end_time)]
+
+    def requeue(self, job: JobInfo) -> RequeueOutcome:
+        """``scontrol requeue JOB`` once, from rank 0; other ranks only return REQUEUED.
+
+        Call it only when everything is durable: Slurm sends SIGTERM to the caller about
+        13 ms after the command returns (DESIGN.md §6).  When Slurm has already requeued
+        the job itself (a preemption with ``PreemptMode=REQUEUE``: ``scontrol`` answers
+        "Job is pending execution") that counts as requeued.
+
+        Raises:
+            RequeueError: (exit 6) ``scontrol`` is missing, or Slurm refused (e.g. the
+                job has ``--no-requeue``); the message names the fix.
+        """
+        if job.rank != 0:
+            return RequeueOutcome.REQUEUED
+        jid = validate_job_id(job.job_id)
+        if jid in self._requeued:
+            return RequeueOutcome.REQUEUED
+        try:
+            proc = self._run(["scontrol", "requeue", jid])
+        except FileNotFoundError as exc:
+            raise RequeueError(
+                f"scontrol not found on PATH, so job {jid} cannot requeue itself (a "
+                "container without Slurm's client tools?): bind-mount scontrol, slurm.conf "
+                "and the munge socket into the container, or run `ckrun run` outside it; "
+                f"the checkpoint is committed, `scontrol requeue {jid}` resumes it"
+            ) from exc
+        except subprocess.TimeoutExpired as exc:
+            raise RequeueError(
+                f"scontrol requeue {jid} did not answer in {_CMD_TIMEOUT_S:.0f} s (slurmctld "
+                f"down?); the checkpoint is committed, run `scontrol requeue {jid}` later"
+            ) from exc
+        if proc.returncode == 0:
+            self._requeued.add(jid)
+            return RequeueOutcome.REQUEUED
+        msg = (proc.stderr or proc.stdout).strip()
+        if self._already_requeued(jid, job.attempt):
+            log.info("Slurm already requeued job %s (%s)", jid, msg)
+            self._requeued.add(jid)
+            return RequeueOutcome.REQUEUED
+        raise RequeueError(_requeue_fix(jid, msg))
+
+    def _already_requeued(self, jid: str, attempt: int) -> bool:
+        rec = self.job_record(jid)
+        state = rec.get("JobState", "")
+        if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+            return True
+        return state == "COMPLETING" and _int(rec.get("Restarts"), 0) > attempt
+
+
+def _requeue_fix(jid: str, msg: str) -> str:
+    low = msg.lower()
+    if "disabled" in low:
+        fix = (
+            "the job is not requeueable (--no-requeue, or JobRequeue=0 without --requeue): "
+            "submit with `#SBATCH --requeue` (ckrun's profile sets requeue: true)"
+        )
+    elif "access" in low or "permission" in low:
+        fix = "this user may not requeue the job; ask the site to allow it or run as its owner"
+    elif "finished" in low or "invalid job id" in low or "completed" in low:
+        fix = "the job already ended (cancelled?); resubmit the same script to resume"
+    else:
+        fix = "check `scontrol show job` and the slurmctld log"
+    return (
+        f"scontrol requeue {jid} refused: {msg or 'no message'}; {fix}. The checkpoint is "
+        "committed: resubmitting the same job resumes from it"
+    )
+
+
+def _script_executor(folder: str, script: str, nodes: int) -> Any:
+    """A submitit ``SlurmExecutor`` whose submission file is ``script`` verbatim."""
+    import submitit
+
+    class _Executor(submitit.SlurmExecutor):
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return script
+
+        def _num_tasks(self) -> int:
+            return nodes
+
+    return _Executor(folder=folder)
+
+
+def _int(value: str | None, default: int) -> int:
+    try:
+        return int(value) if value else default
+    except ValueError:
+        return default
+
+
+def _iso(t: dt.datetime | None) -> str | None:
+    from ckrun.notices import iso_utc
+
+    return iso_utc(t) if t is not None else None
