@@ -1,0 +1,62 @@
+"""Fixtures of the Storage contract suite.
+
+``storage`` is parametrized over :data:`BACKENDS`; each name ``X`` needs a fixture
+``X_storage`` returning an empty Storage.  Adding a backend is one line in BACKENDS
+(e.g. ``pytest.param("s3", marks=pytest.mark.s3)``) plus its ``s3_storage`` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ckrun.storage.local import LocalStorage
+
+BACKENDS: list[Any] = ["local"]
+
+
+@pytest.fixture
+def local_storage(tmp_path: Path) -> LocalStorage:
+    return LocalStorage(str(tmp_path / "root"))
+
+
+@pytest.fixture(params=BACKENDS)
+def storage(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_storage")
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    return r.returncode == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs (needs root / CAP_SYS_ADMIN; skipped otherwise)."""
+    mnt = tmp_path / "small"
+    if os.geteuid() != 0 or not _mount_tmpfs(mnt, "2m"):
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def ro_fs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs with one file, remounted read-only (root only, else skipped)."""
+    mnt = tmp_path / "ro"
+    if os.geteuid() != 0 or not _mount_tmpfs(mnt, "4m"):
+        pytest.skip("mounting a tmpfs needs root")
+    (mnt / "existing").write_bytes(b"x")
+    r = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        pytest.skip("cannot remount read-only")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)

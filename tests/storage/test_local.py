@@ -1,0 +1,128 @@
+"""LocalStorage beyond the contract: real ENOSPC and EROFS, killed writers, temp files."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckrun.errors import StorageFull, StoragePermissionError
+from ckrun.storage import local as local_mod
+from ckrun.storage.local import TEMP_PREFIX, LocalStorage
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_enospc_on_a_full_filesystem(small_fs: Path) -> None:
+    st = LocalStorage(str(small_fs / "run"))
+    st.put("keep", b"previous")
+    w = st.open_write("big/obj")
+    with pytest.raises(StorageFull) as ei:
+        for _ in range(8):
+            w.write(b"\0" * (1 << 20))
+        w.commit()
+    w.abort()
+    assert "big/obj" in str(ei.value) and "bytes" in str(ei.value)
+    assert ei.value.path.endswith("big/obj") and ei.value.needed_bytes
+    assert st.head("big/obj") is None
+    assert st.get("keep") == b"previous"
+    assert _files(small_fs / "run") == ["keep"]
+
+
+def test_put_enospc_leaves_no_temp(small_fs: Path) -> None:
+    st = LocalStorage(str(small_fs / "run"))
+    with pytest.raises(StorageFull):
+        st.put("x", b"\0" * (4 << 20))
+    assert _files(small_fs / "run") == []
+
+
+def test_read_only_filesystem(ro_fs: Path) -> None:
+    st = LocalStorage(str(ro_fs))
+    assert st.get("existing") == b"x"
+    with pytest.raises(StoragePermissionError, match="read-only"):
+        st.put("new", b"y")
+    with pytest.raises(StoragePermissionError):
+        st.open_write("dir/new")
+    with pytest.raises(StoragePermissionError):
+        LocalStorage(str(ro_fs / "sub"))
+
+
+def test_enospc_at_nth_write_fault_injection(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection (the OS write is replaced for this module only): the 3rd write
+    of a streaming object fails with ENOSPC, on any filesystem and without root."""
+    st = LocalStorage(str(tmp_path / "run"))
+    real_write = os.write
+    calls = {"n": 0}
+
+    def failing_write(fd: int, data: object) -> int:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(local_mod.os, "write", failing_write)
+    w = st.open_write("obj")
+    with pytest.raises(StorageFull, match="no space left"):
+        for _ in range(5):
+            w.write(b"z" * 1000)
+    w.abort()
+    assert st.head("obj") is None and _files(tmp_path / "run") == []
+
+
+def test_killed_writer_leaves_only_an_invisible_temp(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    code = (
+        "import sys; from ckrun.storage.local import LocalStorage\n"
+        f"w = LocalStorage({str(root)!r}).open_write('a/obj')\n"
+        "w.write(b'x' * 4096); print('ready', flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    st = LocalStorage(str(root))
+    assert st.head("a/obj") is None and st.list() == []
+    temps = [f for f in _files(root) if os.path.basename(f).startswith(TEMP_PREFIX)]
+    assert len(temps) == 1
+    assert st.sweep_temp("a", min_age_s=3600) == []  # too young
+    old = time.time() - 7200
+    os.utime(root / temps[0], (old, old))
+    assert st.sweep_temp("a", min_age_s=3600) == temps
+    assert _files(root) == []
+
+
+def test_sweep_keeps_own_temp_files(tmp_path: Path) -> None:
+    st = LocalStorage(str(tmp_path))
+    w = st.open_write("k")
+    w.write(b"1")
+    assert st.sweep_temp("", min_age_s=0) == []
+    w.commit()
+    assert st.get("k") == b"1"
+
+
+def test_symlinks_are_not_objects(tmp_path: Path) -> None:
+    st = LocalStorage(str(tmp_path / "r"))
+    st.put("real", b"1")
+    (tmp_path / "outside").write_bytes(b"secret")
+    os.symlink(tmp_path / "outside", tmp_path / "r" / "link")
+    assert [o.key for o in st.list()] == ["real"]
+    assert st.head("link") is None
+
+
+def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
+    st = LocalStorage(str(tmp_path / "r"))
+    st.put("a/b/c", b"1")
+    st.put("a/keep", b"2")
+    st.delete(["a/b/c"])
+    assert not (tmp_path / "r" / "a" / "b").exists()
+    assert (tmp_path / "r" / "a" / "keep").exists()
