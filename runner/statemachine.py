@@ -74,6 +74,7 @@ class State:
     """Supervisor state; times are monotonic seconds.
 
     Attributes:
+        attempt: attempts started so far in this run (the next attempt's 0-based id).
         base_step: newest committed step when the current attempt started (None: none).
         child: a child of the current attempt is alive (not yet reaped).
         notice_at / deadline / kill_at: drain start, TERM-at (before margin), KILL-at.
@@ -305,13 +306,13 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
     if ev.outcome == "cancelled" or s.cancel:
         return _stop(s, Phase.CANCELLED, ExitCode.OK, "cancelled",
                      "run was cancelled; `ckrun submit` the run again to resume it")
-    attempt = s.attempt + 1
-    s = _r(s, phase=Phase.RUNNING, attempt=attempt, base_step=ev.step, child=True,
+    attempt = s.attempt  # ids are 0-based and never repeat within a run
+    s = _r(s, phase=Phase.RUNNING, attempt=attempt + 1, base_step=ev.step, child=True,
            notice_kind=None, notice_source=None, notice_at=None, deadline=None,
            kill_at=None, killed=False, respawn_at=None, interrupted=None)
     where = f"resuming from step {ev.step}" if ev.step is not None else "from scratch"
     return s, [Spawn(attempt, ev.step),
-               Log("attempt_start", f"attempt {attempt} started, {where}", {"step": ev.step})]
+               Log("attempt_start", f"started, {where}", {"step": ev.step})]
 
 
 def _notice(s: State, ev: NoticeEvent) -> Result:

@@ -1,0 +1,216 @@
+"""The ``ckrun`` command line (click).  Thin: parsing, then calls into the library.
+
+Forms (issue 3, the contract)::
+
+    ckrun submit train.py [ARGS]...          # .py runs with this Python
+    ckrun submit [OPTIONS] -- CMD [ARGS]...
+    ckrun run --run NAME [--storage DIR] [--allow-change F] -- CMD...
+    ckrun status NAME [--storage DIR] [--json]
+    ckrun cancel NAME | ckrun preempt NAME | ckrun config [--profile P]
+    ckrun ls ... | ckrun verify ...          # from ckrun.cli_checkpoint when installed
+
+Every :class:`~ckrun.errors.CkrunError` is printed as ``ckrun: error: ...`` and mapped
+to its exit code (DESIGN.md §3).  Heavy imports stay lazy: ``ckrun --help`` and
+``ckrun run`` do not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Any
+
+import click
+from ckrun.errors import CkrunError, ExitCode, IncompatibleCheckpoint
+
+_CMD = {"ignore_unknown_options": True, "allow_interspersed_args": False}
+
+
+def _command(args: tuple[str, ...]) -> tuple[str, ...]:
+    """``train.py ARGS`` → ``(sys.executable, train.py, ARGS)``; a ``--`` after it is dropped."""
+    if not args:
+        raise click.UsageError("no command given: `ckrun submit train.py` or `-- CMD ...`")
+    rest = list(args[1:])
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if args[0].endswith(".py"):
+        return (sys.executable, args[0], *rest)
+    return (args[0], *rest)
+
+
+def _cli_values(**kw: Any) -> dict[str, Any]:
+    return {k: v for k, v in kw.items() if v is not None and v != ()}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ckrun", prog_name="ckrun")
+def main_group() -> None:
+    """ckrun: keep long ML training runs alive on preemptible capacity."""
+
+
+_storage_opt = click.option("--storage", default=None, metavar="DIR",
+                            help="Storage base; the run root is DIR/RUN [./ckrun-runs].")
+_allow_opt = click.option("--allow-change", "allow_change", multiple=True, metavar="FIELD",
+                          help="Compat field allowed to differ on resume (repeatable).")
+
+
+@main_group.command(context_settings=_CMD)
+@click.option("--profile", default="local", show_default=True, help="Profile name.")
+@click.option("--run", "run_name", default=None, help="Run name [script name + UTC time].")
+@_storage_opt
+@click.option("--detach", is_flag=True, help="Return at once; supervisor output to a log.")
+@click.option("--dry-run", is_flag=True, help="Print the resolved config and job; start nothing.")
+@click.option("--max-requeues", type=int, default=None, help="Preemptions allowed.")
+@click.option("--max-failures", type=int, default=None, help="Failures allowed.")
+@click.option("--grace", default=None, metavar="S", help="Notice → exit limit (seconds).")
+@_allow_opt
+@click.option("--chaos-preempt-every", default=None, metavar="DURATION",
+              help="Local profile: a drill notice every DURATION of child runtime (20s).")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def submit(profile: str, run_name: str | None, storage: str | None, detach: bool,
+           dry_run: bool, max_requeues: int | None, max_failures: int | None,
+           grace: str | None, allow_change: tuple[str, ...], chaos_preempt_every: str | None,
+           args: tuple[str, ...]) -> int:
+    """Submit a training command: `ckrun submit train.py [ARGS]...` or `-- CMD [ARGS]...`."""
+    from ckrun import launch
+
+    cli = _cli_values(storage=storage, max_requeues=max_requeues, max_failures=max_failures,
+                      grace_s=grace, allow_change=allow_change,
+                      chaos_preempt_every=chaos_preempt_every)
+    return int(launch.submit(profile, cli, _command(args), run_name, detach=detach,
+                             dry_run=dry_run))
+
+
+@main_group.command(context_settings=_CMD)
+@click.option("--run", "run_name", required=True, help="Run name.")
+@_storage_opt
+@_allow_opt
+@click.option("--profile", default=None, help="Profile when the run has no run.json yet.")
+@click.option("--scheduler", default=None,
+              help="Backend for requeue [autodetect: SLURM_JOB_ID, KUBERNETES_SERVICE_HOST].")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(run_name: str, storage: str | None, allow_change: tuple[str, ...],
+        profile: str | None, scheduler: str | None, args: tuple[str, ...]) -> int:
+    """Supervise a run in this process (what Slurm, Kubernetes and boot scripts call)."""
+    from ckrun import launch
+
+    cmd = _command(args) if args else ()
+    cli = _cli_values(storage=storage, allow_change=allow_change)
+    return int(launch.run(run_name, cli, cmd, profile=profile, scheduler=scheduler))
+
+
+@main_group.command()
+@click.argument("name")
+@_storage_opt
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(name: str, storage: str | None, as_json: bool) -> int:
+    """State, attempts, preemptions, lost work, save time and goodput of run NAME."""
+    import json
+
+    from ckrun import runstatus
+
+    summary = runstatus.summarize(runstatus.locate(name, storage))
+    click.echo(json.dumps(summary, indent=1) if as_json else runstatus.render(summary))
+    return 0
+
+
+@main_group.command()
+@click.argument("name")
+@_storage_opt
+def cancel(name: str, storage: str | None) -> int:
+    """Stop run NAME for good (the child checkpoints first); later starts refuse to run."""
+    from ckrun import launch
+
+    click.echo(launch.cancel(name, storage))
+    return 0
+
+
+@main_group.command()
+@click.argument("name")
+@_storage_opt
+@click.option("--lead", default=None, metavar="S", help="Notice lead time [grace].")
+def preempt(name: str, storage: str | None, lead: str | None) -> int:
+    """Deliver a drill notice to run NAME's live supervisor (test the resume path)."""
+    from ckrun import launch
+    from ckrun.config import parse_duration
+
+    click.echo(launch.preempt(name, storage, parse_duration(lead) if lead else None))
+    return 0
+
+
+@main_group.command(name="config")
+@click.option("--profile", default="local", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def config_cmd(profile: str, as_json: bool) -> int:
+    """Resolved configuration values and where each came from."""
+    import json
+
+    from ckrun.config import resolve
+
+    cfg = resolve(profile)
+    body = {k: v for k, v in cfg.to_json().items()
+            if k not in ("run", "command", "sources", "launch_hash", "options", "cloud")}
+    body.update(cfg.to_json()["options"])
+    body.update(cfg.cloud)
+    if as_json:
+        click.echo(json.dumps({k: {"value": v, "source": cfg.sources.get(k, "default")}
+                               for k, v in body.items()}, indent=1))
+        return 0
+    width = max(len(k) for k in body)
+    for k, v in body.items():
+        click.echo(f"{k:<{width}}  {v!s:<24} {cfg.sources.get(k, 'default')}")
+    return 0
+
+
+#: Commands written elsewhere, added when their module is importable:
+#: (module, attribute names).  ``check-resume`` goes here too.
+OPTIONAL_COMMANDS: list[tuple[str, tuple[str, ...]]] = [
+    ("ckrun.cli_checkpoint", ("ls", "verify")),
+    ("ckrun.cli_check_resume", ("check_resume",)),
+]
+
+
+def _add_optional_commands() -> None:
+    for module, names in OPTIONAL_COMMANDS:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            if e.name != module:
+                raise
+            continue
+        for attr in names:
+            cmd = getattr(mod, attr, None)
+            if isinstance(cmd, click.Command):
+                main_group.add_command(cmd)
+
+
+_add_optional_commands()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: run the group, map errors to exit codes (never returns)."""
+    logging.basicConfig(level=logging.WARNING, format="[ckrun] %(levelname)s %(message)s")
+    try:
+        rv = main_group.main(argv, prog_name="ckrun", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(ExitCode.CHILD_FAILED)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except IncompatibleCheckpoint as e:
+        click.echo(f"ckrun: error: {e}", err=True)
+        for line in e.diff:
+            click.echo(f"  {line}", err=True)
+        sys.exit(int(e.exit_code))
+    except CkrunError as e:
+        click.echo(f"ckrun: error: {e}", err=True)
+        sys.exit(int(e.exit_code))
+    sys.exit(int(rv) if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":  # python -m ckrun.cli (the detached local supervisor)
+    main()

@@ -1,0 +1,242 @@
+"""What the CLI's ``submit``, ``run``, ``cancel`` and ``preempt`` do (no click here).
+
+``submit`` resolves the config, freezes it in ``run.json`` (refusing a different launch
+of an existing run unless ``--allow-change launch_hash``), then runs the supervisor in
+the foreground (local profile), starts a detached one (``--detach``), or hands a
+:class:`~ckrun.scheduler.base.JobSpec` to another backend's ``submit``.  ``run`` is the
+supervisor alone: the frozen ``run.json`` is the truth; the command line may only add
+``--allow-change`` fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+import shlex
+import signal
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from ckrun.config import RunConfig, build_notice_sources, resolve
+from ckrun.errors import ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
+from ckrun.notices import iso_utc, utcnow
+from ckrun.rundir import (
+    CANCEL_REQUEST,
+    PREEMPT_REQUEST,
+    RunDir,
+    SupervisorLock,
+    read_json,
+    write_json_atomic,
+)
+from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
+
+
+def say(msg: str) -> None:
+    """Print a ``[ckrun]`` line on stderr."""
+    import sys
+
+    print(f"[ckrun] {msg}", file=sys.stderr, flush=True)
+
+
+def default_run_name(command: tuple[str, ...]) -> str:
+    """``<script stem>-<UTC yyyymmdd-HHMMSS>``: the first ``*.py`` argument, else argv[0]."""
+    script = next((a for a in command if a.endswith(".py")), command[0] if command else "run")
+    stem = os.path.splitext(os.path.basename(script))[0] or "run"
+    return f"{stem}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}"
+
+
+def detect_backend(env: Mapping[str, str] | None = None) -> str:
+    """``slurm`` when ``SLURM_JOB_ID`` is set, ``k8s`` with ``KUBERNETES_SERVICE_HOST``."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_JOB_ID"):
+        return "slurm"
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        return "k8s"
+    return "local"
+
+
+def scheduler_for(backend: str, cfg: RunConfig) -> Scheduler:
+    """Instantiate ``backend``, giving it the run's options when they are its own."""
+    opts = cfg.options if cfg.scheduler == backend else None
+    if opts is None:
+        return get_scheduler(backend)
+    try:
+        return get_scheduler(backend, options=opts)
+    except TypeError:
+        return get_scheduler(backend)
+
+
+def _absolute(cfg: RunConfig) -> RunConfig:
+    """Local storage and state paths made absolute (run.json must not depend on cwd)."""
+    st = cfg.storage
+    if "://" not in st or st.startswith("file://"):
+        st = os.path.abspath(st.removeprefix("file://"))
+    sd = os.path.abspath(cfg.state_dir) if cfg.state_dir else ""
+    return dataclasses.replace(cfg, storage=st, state_dir=sd)
+
+
+def launch_diff(old: RunConfig, new: RunConfig) -> list[str]:
+    """Readable differences of the launch identity (empty when the same)."""
+    if old.launch_hash() == new.launch_hash():
+        return []
+    return [f"launch_hash: {old.launch_hash()} → {new.launch_hash()}",
+            f"command: {shlex.join(old.command)} → {shlex.join(new.command)}",
+            *([f"world_size: {old.world_size} → {new.world_size}"]
+              if old.world_size != new.world_size else [])]
+
+
+def reconcile(frozen: RunConfig | None, cfg: RunConfig) -> RunConfig:
+    """``cfg`` if it may replace the frozen config.
+
+    Raises:
+        IncompatibleCheckpoint: the launch identity differs (exit 4) and
+            ``launch_hash`` is not in ``--allow-change``.
+    """
+    if frozen is None:
+        return cfg
+    diff = launch_diff(frozen, cfg)
+    if diff and "launch_hash" not in cfg.allow_change:
+        raise IncompatibleCheckpoint(
+            f"run {cfg.run!r} was frozen with a different launch in run.json; use another "
+            "--run, or --allow-change launch_hash to continue it with this command",
+            diff=diff)
+    return cfg
+
+
+def locate(name: str, storage: str | None) -> RunDir:
+    """The state directory of run ``name``.
+
+    Raises:
+        UsageError: no run of that name exists there.
+    """
+    cfg = _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
+    rd = RunDir(cfg.state_root)
+    if not rd.exists():
+        raise UsageError(f"no run {name!r} under {cfg.storage} (no {rd.run_json}); "
+                         "pass --storage DIR where it was submitted")
+    return rd
+
+
+def supervise(cfg: RunConfig, rundir: RunDir, lock: SupervisorLock,
+              backend: str | None = None) -> int:
+    """Run the supervisor loop for ``cfg`` in this process; returns its exit code."""
+    from ckrun.supervisor import Supervisor
+
+    sched = scheduler_for(backend or detect_backend(), cfg)
+    job = sched.current()
+    sources = list(sched.notice_sources(job)) + build_notice_sources(cfg)
+    return int(Supervisor(cfg, rundir, sched, job, sources, lock=lock).run())
+
+
+def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
+           run_name: str | None, *, detach: bool = False, dry_run: bool = False) -> int:
+    """``ckrun submit`` (see the module docstring); returns the exit code."""
+    name = run_name or default_run_name(command)
+    cfg = _absolute(resolve(profile, cli, run=name, command=command))
+    rundir = RunDir(cfg.state_root)
+    sched = scheduler_for(cfg.scheduler, cfg)
+    args: list[str] = ["--storage", cfg.storage]
+    for f in cfg.allow_change:
+        args += ["--allow-change", f]
+    env = {"CKRUN_SUPERVISOR_LOG": rundir.log_path}
+    if cfg.state_dir:
+        env["CKRUN_STATE_DIR"] = cfg.state_dir
+    spec = JobSpec(run=name, command=command, storage=cfg.run_root, options=cfg.options,
+                   env=env, supervisor_args=tuple(args))
+    if dry_run:
+        import json
+
+        print(json.dumps(cfg.to_json(), indent=1, default=str))
+        print(sched.render(spec))
+        return 0
+    cfg = reconcile(rundir.load_config(), cfg)
+    holder = rundir.live_holder()
+    if holder is not None:
+        raise RunLocked(f"run {name!r} is alive: supervisor pid {holder.get('pid')} on "
+                        f"{holder.get('host')} holds it; `ckrun status {name}`", holder=holder)
+    if os.path.exists(rundir.cancelled_path):
+        os.unlink(rundir.cancelled_path)
+    rundir.freeze(cfg)
+    say(f"run {name}: storage {cfg.run_root}, profile {profile}")
+    if cfg.scheduler == "local" and not detach:
+        with rundir.lock(name) as lock:
+            return supervise(cfg, rundir, lock, "local")
+    job_id = sched.submit(spec)
+    write_json_atomic(rundir.job_json, {"backend": cfg.scheduler, "job_id": job_id,
+                                        "submitted_utc": iso_utc(utcnow())})
+    from ckrun.events import EventLog
+
+    EventLog(rundir.events_path, name).append("submitted", backend=cfg.scheduler,
+                                              job_id=job_id)
+    where = f", log {rundir.log_path}" if cfg.scheduler == "local" else ""
+    say(f"run {name}: submitted to {cfg.scheduler} as job {job_id}{where}")
+    return 0
+
+
+def run(run_name: str, cli: Mapping[str, Any], command: tuple[str, ...], *,
+        profile: str | None = None, scheduler: str | None = None) -> int:
+    """``ckrun run``: the supervisor alone, for run ``run_name``; returns the exit code."""
+    base = _absolute(resolve(profile or "local", cli, run=run_name, command=command))
+    rundir = RunDir(base.state_root)
+    frozen = rundir.load_config()
+    if frozen is None:
+        if not command:
+            raise UsageError(f"run {run_name!r} has no run.json under {base.storage}: give "
+                             "the command after `--`")
+        cfg = base
+    else:
+        allow = tuple(dict.fromkeys((*frozen.allow_change, *cli.get("allow_change", ()))))
+        cfg = dataclasses.replace(frozen, command=command or frozen.command, allow_change=allow)
+        cfg = reconcile(frozen, cfg)
+    with rundir.lock(run_name) as lock:
+        if cfg != frozen:
+            rundir.freeze(cfg)
+        return supervise(cfg, rundir, lock, scheduler)
+
+
+def _signal_holder(holder: dict[str, Any]) -> str:
+    pid, host = holder.get("pid"), holder.get("host")
+    if host == socket.gethostname() and isinstance(pid, int):
+        try:
+            os.kill(pid, signal.SIGUSR2)
+            return f"supervisor pid {pid}"
+        except ProcessLookupError:
+            pass
+    return f"supervisor pid {pid} on {host} (it polls the request)"
+
+
+def cancel(name: str, storage: str | None) -> str:
+    """``ckrun cancel``: mark the run cancelled and stop its supervisor or job."""
+    rd = locate(name, storage)
+    write_json_atomic(rd.cancelled_path, {"cancelled_utc": iso_utc(utcnow()),
+                                          "by": f"{socket.gethostname()}:{os.getpid()}"})
+    holder = rd.live_holder()
+    if holder is not None:
+        rd.request(CANCEL_REQUEST, {"requested_utc": iso_utc(utcnow())})
+        return f"run {name}: cancel sent to {_signal_holder(holder)}; it checkpoints and stops"
+    job = read_json(rd.job_json)
+    if job and job.get("backend") not in (None, "local"):
+        get_scheduler(str(job["backend"])).cancel(str(job["job_id"]))
+        return f"run {name}: {job['backend']} job {job['job_id']} cancelled"
+    return f"run {name}: no live supervisor; marked cancelled (a resubmit clears it)"
+
+
+def preempt(name: str, storage: str | None, lead_s: float | None = None) -> str:
+    """``ckrun preempt``: ask the live supervisor for a drill notice.
+
+    Raises:
+        UsageError: the run has no live supervisor.
+    """
+    rd = locate(name, storage)
+    holder = rd.live_holder()
+    if holder is None:
+        raise UsageError(f"run {name!r} has no live supervisor: nothing to preempt")
+    body: dict[str, Any] = {"requested_utc": iso_utc(utcnow())}
+    if lead_s is not None:
+        if lead_s <= 0:
+            raise ConfigError("--lead must be > 0 seconds")
+        body["lead_s"] = lead_s
+    rd.request(PREEMPT_REQUEST, body)
+    return f"run {name}: drill notice sent to {_signal_holder(holder)}"
