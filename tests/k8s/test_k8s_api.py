@@ -136,3 +136,33 @@ def test_no_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(SchedulerError, match="no Kubernetes configuration"):
         K8sScheduler(Options(image="i")).status("demo")
+
+
+def _verb(req: dict[str, Any]) -> tuple[str, str, str]:
+    """(apiGroup, resource, verb) of one recorded request, as RBAC sees it."""
+    parts = req["path"].strip("/").split("/")
+    group = parts[1] if parts[0] == "apis" else ""
+    resource = parts[5] if group else parts[4]
+    named = len(parts) == (7 if group else 6)
+    verb = {"POST": "create", "DELETE": "delete"}.get(req["method"],
+                                                      "get" if named else "list")
+    return group, resource, verb
+
+
+def test_rbac_example_allows_every_call(stub: StubApi, tmp_path: Path) -> None:
+    """Every request of a submit/status/cancel cycle is allowed by k8s/rbac.yaml's Role."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((Path(__file__).resolve().parents[2] / "k8s" /
+                                    "rbac.yaml").read_text()))
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    sched = _sched(stub, tmp_path)
+    job_id = sched.submit(_spec())
+    sched.status(job_id)
+    sched.cancel(job_id)
+    used = {_verb(r) for r in stub.requests}
+    assert used == {("batch", "jobs", "create"), ("batch", "jobs", "get"),
+                    ("", "pods", "list"), ("batch", "jobs", "delete")}
+    assert used <= allowed

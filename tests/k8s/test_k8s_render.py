@@ -226,3 +226,11 @@ def test_render_needs_no_cluster() -> None:
 
     sched = K8sScheduler(api=NoApi())
     assert sched.render(CASES["profile-k8s"]()) == sched.render(CASES["profile-k8s"]())
+
+
+def test_rbac_example_is_valid() -> None:
+    docs = list(yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding",
+                                         "ServiceAccount"]
+    for doc in docs:
+        assert [v for v in SUPPORTED if _validate(doc, v)] == [], doc["kind"]
