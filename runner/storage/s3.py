@@ -1,0 +1,372 @@
+"""S3 storage backend (boto3, imported lazily): the :class:`Storage` contract on S3.
+
+``S3Storage.from_url("s3://bucket/prefix")``.  Endpoint: the ``endpoint_url`` profile key,
+else boto3's own ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (MinIO, Ceph, moto...).
+Credentials come only from boto3's default chain (environment, ``~/.aws``, SSO, instance
+or pod role); ckrun never reads, stores or logs them.
+
+Contract (DESIGN.md §3) on S3:
+
+* a reader sees nothing or the whole object: one ``PutObject`` or a multipart upload that
+  is completed or aborted (:class:`ckrun.storage.s3_io.S3Writer`); an upload cut off by
+  SIGKILL leaves only an incomplete multipart upload, which no listing shows
+  (:meth:`S3Storage.abort_incomplete_uploads` or a bucket lifecycle rule removes it);
+* ``put``/``commit`` return once S3 answered 200 (S3 is strongly read-after-write
+  consistent since December 2020);
+* ``put(..., if_absent=True)`` sends ``If-None-Match: *``: a 412 becomes ``ObjectExists``;
+* CRC32C end to end: sent with every write, checked by S3, checked again on every read;
+* retries: botocore ``standard`` (or ``adaptive``) mode with ``s3_max_attempts``, which
+  retries 5xx, throttling and connection errors with exponential back-off and jitter.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import secrets
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import IO, Any
+
+from ckrun.errors import (
+    ConfigError,
+    ObjectNotFound,
+    StorageError,
+    map_os_error,
+)
+from ckrun.storage.base import ObjectInfo, validate_key
+from ckrun.storage.s3_io import (
+    CRC_META,
+    CheckedReader,
+    RateLimiter,
+    S3Writer,
+    make_client,
+    map_s3_error,
+)
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """Profile keys of the S3 backend (flat YAML; env ``CKRUN_<KEY>``).
+
+    Attributes:
+        endpoint_url: S3-compatible endpoint; None: boto3 decides (``AWS_ENDPOINT_URL_S3``).
+        s3_region: signing region; None: boto3's chain, else ``us-east-1``.
+        s3_addressing_style: ``auto``, ``path`` or ``virtual``.
+        s3_retry_mode: botocore retry mode, ``standard`` or ``adaptive``.
+        s3_max_attempts: total attempts per request, first included.
+        s3_multipart_threshold_bytes: objects larger than this use multipart uploads.
+        s3_multipart_chunk_bytes: part size (S3's minimum: 5 MiB; at most 10 000 parts).
+        s3_max_concurrency: parts (and ranged GETs) in flight per object.
+        s3_bandwidth_bytes_per_s: cap on upload + download bytes/s (0: no cap).
+        s3_timeout_s: connect and read timeout per request, seconds.
+    """
+
+    endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_addressing_style: str = "auto"
+    s3_retry_mode: str = "standard"
+    s3_max_attempts: int = 8
+    s3_multipart_threshold_bytes: int = 64 * MiB
+    s3_multipart_chunk_bytes: int = 16 * MiB
+    s3_max_concurrency: int = 8
+    s3_bandwidth_bytes_per_s: int = 0
+    s3_timeout_s: float = 60.0
+
+    @property
+    def multipart_threshold_bytes(self) -> int:
+        return self.s3_multipart_threshold_bytes
+
+    @property
+    def multipart_chunk_bytes(self) -> int:
+        return self.s3_multipart_chunk_bytes
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.s3_max_concurrency
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any]) -> S3Options:
+        """Pick this dataclass's keys out of a config mapping (others ignored), validated.
+
+        Raises:
+            ConfigError: an invalid retry mode, addressing style, part size or count.
+        """
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            v = config.get(f.name)
+            if v is None or v == "":
+                continue
+            kw[f.name] = v if f.name in ("endpoint_url", "s3_region") else _coerce(f, v)
+        opts = cls(**kw)
+        if opts.s3_retry_mode not in ("standard", "adaptive", "legacy"):
+            raise ConfigError(f"s3_retry_mode={opts.s3_retry_mode!r}: use standard or adaptive")
+        if opts.s3_addressing_style not in ("auto", "path", "virtual"):
+            raise ConfigError("s3_addressing_style must be auto, path or virtual")
+        if opts.s3_multipart_chunk_bytes < 5 * MiB:
+            raise ConfigError("s3_multipart_chunk_bytes must be >= 5 MiB (S3's minimum part)")
+        if opts.s3_max_attempts < 1 or opts.s3_max_concurrency < 1:
+            raise ConfigError("s3_max_attempts and s3_max_concurrency must be >= 1")
+        return opts
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> S3Options:
+        """Options from ``CKRUN_<KEY>`` variables (``CKRUN_ENDPOINT_URL``, ...)."""
+        env = os.environ if environ is None else environ
+        return cls.from_mapping({f.name: env.get("CKRUN_" + f.name.upper()) for f in fields(cls)})
+
+
+def _coerce(f: Any, v: Any) -> Any:
+    t = str(f.type)
+    try:
+        return int(v) if t == "int" else float(v) if t == "float" else str(v)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{f.name}={v!r} is not a valid {t}") from exc
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b/`` → (``bucket``, ``a/b``).
+
+    Raises:
+        ConfigError: not an ``s3://`` URL, or no bucket, or an invalid prefix.
+    """
+    if not url.startswith("s3://"):
+        raise ConfigError(f"{url!r} is not an s3:// URL: use s3://bucket/prefix")
+    bucket, _, prefix = url[5:].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket:
+        raise ConfigError(f"{url!r} names no bucket: use s3://bucket/prefix")
+    if prefix:
+        validate_key(prefix)
+    return bucket, prefix
+
+
+class S3Storage:
+    """Objects under ``s3://bucket/prefix`` (see the module docstring).
+
+    Attributes:
+        url: ``s3://bucket[/prefix]``.
+        bucket, prefix: the parts of the URL (prefix without slashes, may be empty).
+        options: the :class:`S3Options` in force.
+        limiter: the shared upload bandwidth limiter.
+    """
+
+    def __init__(
+        self, bucket: str, prefix: str = "", options: S3Options | None = None, client: Any = None
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        self.options = options or S3Options.from_env()
+        self.limiter = RateLimiter(self.options.s3_bandwidth_bytes_per_s)
+        self._client = client or make_client(self.options)
+
+    @classmethod
+    def from_url(cls, url: str, options: S3Options | Mapping[str, Any] | None = None) -> S3Storage:
+        """Open ``s3://bucket/prefix``; ``options`` default to :meth:`S3Options.from_env`."""
+        bucket, prefix = parse_s3_url(url)
+        if options is not None and not isinstance(options, S3Options):
+            options = S3Options.from_mapping(options)
+        return cls(bucket, prefix, options)
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.url!r})"
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (thread-safe)."""
+        return self._client
+
+    def object_key(self, key: str) -> str:
+        """The S3 object key of storage ``key`` (prefix joined)."""
+        validate_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def call(self, op: str, key: str, **kw: Any) -> Any:
+        """Call client method ``op`` on this bucket, mapping errors to ``StorageError``."""
+        try:
+            return getattr(self._client, op)(Bucket=self.bucket, **kw)
+        except Exception as exc:
+            raise map_s3_error(
+                exc,
+                op=op,
+                url=f"{self.url}/{key}" if key else self.url,
+                endpoint=self._client.meta.endpoint_url,
+            ) from exc
+
+    # -- writes -----------------------------------------------------------------------
+    def open_write(self, key: str, *, if_absent: bool = False) -> S3Writer:
+        """A streaming writer, invisible under ``key`` until commit (see ``S3Writer``)."""
+        self.object_key(key)
+        return S3Writer(self, key, if_absent=if_absent)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
+        """Store ``data`` under ``key`` (``If-None-Match: *`` when ``if_absent``)."""
+        with self.open_write(key, if_absent=if_absent) as w:
+            w.write(data)
+        return ObjectInfo(key, w.bytes_written, time.time())
+
+    def put_file(self, key: str, path: str) -> ObjectInfo:
+        """Upload the local file ``path`` under ``key`` (multipart when large)."""
+        chunk = self.options.multipart_chunk_bytes
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise map_os_error(exc, path=path) from exc
+        with f, self.open_write(key) as w:
+            while True:
+                try:
+                    data = f.read(chunk)
+                except OSError as exc:
+                    raise map_os_error(exc, path=path) from exc
+                if not data:
+                    break
+                w.write(data)
+        return ObjectInfo(key, w.bytes_written, time.time())
+
+    # -- reads ------------------------------------------------------------------------
+    def _expected_crc(self, resp: Mapping[str, Any]) -> int | None:
+        """The object's full CRC32C: S3's full-object checksum, else ckrun's metadata."""
+        import base64
+
+        value = resp.get("ChecksumCRC32C")
+        if not value or resp.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+            value = (resp.get("Metadata") or {}).get(CRC_META)
+        if not value:
+            return None
+
+        return int.from_bytes(base64.b64decode(value), "big")
+
+    def open_read(self, key: str) -> IO[bytes]:
+        """Stream ``key``; the CRC32C is checked when the end is read."""
+        import io
+
+        resp = self.call("get_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
+        raw = CheckedReader(resp["Body"], key, self._expected_crc(resp))
+        return io.BufferedReader(raw, buffer_size=1 * MiB)
+
+    def get(self, key: str) -> bytes:
+        """The whole object (CRC32C checked); ``ObjectNotFound`` if absent."""
+        with self.open_read(key) as f:
+            try:
+                return f.read()
+            except StorageError:
+                raise
+            except Exception as exc:
+                raise map_s3_error(
+                    exc,
+                    op="get_object",
+                    url=f"{self.url}/{key}",
+                    endpoint=self._client.meta.endpoint_url,
+                ) from exc
+
+    def get_file(self, key: str, path: str) -> None:
+        """Download ``key`` to ``path``: temp file, CRC32C check, fsync, atomic rename."""
+        d = os.path.dirname(os.path.abspath(path))
+        tmp = os.path.join(d, f".ckrun-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.makedirs(d, exist_ok=True)
+            with self.open_read(key) as src, open(tmp, "wb") as dst:
+                while True:
+                    buf = src.read(self.options.multipart_chunk_bytes)
+                    if not buf:
+                        break
+                    self.limiter.acquire(len(buf))
+                    dst.write(buf)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise map_os_error(exc, path=path) from exc
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def local_path(self, key: str) -> str | None:
+        """Always None: S3 objects have no POSIX path."""
+        return None
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """Size and mtime of ``key``, or None when absent."""
+        try:
+            r = self.call("head_object", key, Key=self.object_key(key))
+        except ObjectNotFound:
+            return None
+        return ObjectInfo(key, int(r["ContentLength"]), r["LastModified"].timestamp())
+
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, sorted by key."""
+        root = f"{self.prefix}/" if self.prefix else ""
+        out: builtins.list[ObjectInfo] = []
+        pages = self._client.get_paginator("list_objects_v2")
+        try:
+            for page in pages.paginate(Bucket=self.bucket, Prefix=root + prefix):
+                for o in page.get("Contents", []):
+                    out.append(
+                        ObjectInfo(
+                            o["Key"][len(root) :], int(o["Size"]), o["LastModified"].timestamp()
+                        )
+                    )
+        except Exception as exc:
+            raise map_s3_error(
+                exc,
+                op="list_objects_v2",
+                url=f"{self.url}/{prefix}",
+                endpoint=self._client.meta.endpoint_url,
+            ) from exc
+        return sorted(out, key=lambda i: i.key)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` (batches of 1000); missing keys are ignored."""
+        objs = [{"Key": self.object_key(k)} for k in keys]
+        for i in range(0, len(objs), 1000):
+            r = self.call(
+                "delete_objects", "", Delete={"Objects": objs[i : i + 1000], "Quiet": True}
+            )
+            errs = r.get("Errors") or []
+            if errs:
+                e = errs[0]
+                raise StorageError(
+                    f"cannot delete s3://{self.bucket}/{e.get('Key')}: "
+                    f"{e.get('Code')} {e.get('Message')} ({len(errs)} failed)"
+                )
+
+    # -- maintenance ------------------------------------------------------------------
+    def check(self, *, write: bool = True) -> None:
+        """Preflight: the bucket exists and (``write``) we may put, read and delete.
+
+        Raises:
+            StorageError: missing bucket or unreachable endpoint, naming the fix.
+            StoragePermissionError: access denied or no credentials.
+        """
+        self.call("head_bucket", "")
+        if write:
+            key = f".ckrun-preflight-{secrets.token_hex(6)}"
+            self.put(key, b"ckrun preflight probe")
+            try:
+                if self.get(key) != b"ckrun preflight probe":
+                    raise StorageError(f"{self.url}: the preflight probe read back differently")
+            finally:
+                self.delete([key])
+
+    def abort_incomplete_uploads(self, older_than_s: float = 24 * 3600.0) -> int:
+        """Abort multipart uploads under the prefix started more than ``older_than_s`` ago.
+
+        Returns:
+            the number aborted.  (A bucket lifecycle rule
+            ``AbortIncompleteMultipartUpload`` does the same server-side.)
+        """
+        root = f"{self.prefix}/" if self.prefix else ""
+        r = self.call("list_multipart_uploads", "", Prefix=root)
+        n = 0
+        for u in r.get("Uploads", []):
+            if time.time() - u["Initiated"].timestamp() >= older_than_s:
+                self.call("abort_multipart_upload", "", Key=u["Key"], UploadId=u["UploadId"])
+                n += 1
+        return n
+
+
+__all__ = ["S3Options", "S3Storage", "make_client", "map_s3_error", "parse_s3_url"]

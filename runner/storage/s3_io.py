@@ -1,0 +1,353 @@
+"""Streaming S3 writes and reads with end-to-end CRC32C (used by :mod:`ckrun.storage.s3`).
+
+:class:`S3Writer` buffers up to ``multipart_threshold_bytes``; a smaller object becomes one
+``PutObject``, a larger one a multipart upload of ``multipart_chunk_bytes`` parts sent by
+up to ``max_concurrency`` threads.  Every request carries its CRC32C (``x-amz-checksum-
+crc32c``) and the multipart upload is created with ``ChecksumType=FULL_OBJECT``, so S3
+verifies each part and the whole object against checksums computed here while the data
+streamed through (S3 "Checking object integrity"; full-object CRC32C for multipart since
+2025).  The object is invisible until :meth:`S3Writer.commit` (``CompleteMultipartUpload``
+or the single PUT); any failure aborts the upload.  ``if_absent`` sends
+``If-None-Match: *`` on the PUT / completion (S3 conditional writes), so two writers can
+never both create one key.
+
+The checksums are computed with the ``crc32c`` package instead of botocore's
+``ChecksumAlgorithm="CRC32C"``, which needs the optional ``awscrt`` dependency.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+from ckrun.errors import (
+    ObjectExists,
+    ObjectNotFound,
+    StorageError,
+    StoragePermissionError,
+)
+from ckrun.storage.base import ObjectInfo
+
+if TYPE_CHECKING:
+    from ckrun.storage.s3 import S3Options, S3Storage
+
+
+#: User metadata key holding the object's CRC32C (single PUTs), read back by every GET so
+#: the check does not depend on the store returning ``x-amz-checksum-crc32c``.
+CRC_META = "ckrun-crc32c"
+
+
+def b64crc(value: int) -> str:
+    """The wire form of a CRC32C (base64 of the 4 big-endian bytes), as S3 sends it."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+class RateLimiter:
+    """A token bucket shared by all uploads of one storage: at most ``bytes_per_s``.
+
+    ``bytes_per_s <= 0`` disables the cap.  Burst: one second's worth.
+    """
+
+    def __init__(self, bytes_per_s: int) -> None:
+        self.rate = float(bytes_per_s)
+        self._lock = threading.Lock()
+        self._tokens = self.rate
+        self._t = time.monotonic()
+
+    def acquire(self, n: int) -> None:
+        """Block until ``n`` bytes may be sent."""
+        if self.rate <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.rate, self._tokens + (now - self._t) * self.rate)
+            self._t = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+
+
+class S3Writer:
+    """A streaming write to one key (see :class:`ckrun.storage.base.ObjectWriter`).
+
+    Attributes:
+        key: the destination key (relative to the storage root).
+        bytes_written: bytes accepted so far.
+        crc: running CRC32C of the bytes written (int).
+    """
+
+    def __init__(self, storage: S3Storage, key: str, *, if_absent: bool = False) -> None:
+        self.key = key
+        self.bytes_written = 0
+        self.crc = 0
+        self._s = storage
+        self._obj = storage.object_key(key)
+        self._if_absent = if_absent
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+        self._pending: deque[Future[dict[str, Any]]] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._done = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data``; uploads full parts as the buffer fills.
+
+        Raises:
+            StorageError: a part upload failed (the upload is aborted first).
+        """
+        if self._done:
+            raise StorageError(f"write to {self.key} after commit/abort")
+        n = len(memoryview(data).cast("B"))
+        self.crc = crc32c.crc32c(data, self.crc)
+        self._buf += data
+        self.bytes_written += n
+        opts = self._s.options
+        if self._upload_id is None and len(self._buf) <= opts.multipart_threshold_bytes:
+            return n
+        try:
+            while len(self._buf) >= opts.multipart_chunk_bytes:
+                part = bytes(self._buf[: opts.multipart_chunk_bytes])
+                del self._buf[: opts.multipart_chunk_bytes]
+                self._submit(part)
+        except BaseException:
+            self.abort()
+            raise
+        return n
+
+    def _submit(self, part: bytes) -> None:
+        s = self._s
+        if self._upload_id is None:
+            resp = s.call(
+                "create_multipart_upload",
+                self.key,
+                Key=self._obj,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumType="FULL_OBJECT",
+            )
+            self._upload_id = str(resp["UploadId"])
+            self._pool = ThreadPoolExecutor(s.options.max_concurrency, "ckrun-s3-part")
+        while len(self._pending) >= s.options.max_concurrency:
+            self._parts.append(self._pending.popleft().result())
+        number = len(self._parts) + len(self._pending) + 1
+        assert self._pool is not None
+        self._pending.append(self._pool.submit(self._upload_part, number, part))
+
+    def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
+        self._s.limiter.acquire(len(part))
+        crc = b64crc(crc32c.crc32c(part))
+        resp = self._s.call(
+            "upload_part",
+            self.key,
+            Key=self._obj,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=part,
+            ChecksumCRC32C=crc,
+        )
+        return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": crc}
+
+    def commit(self) -> ObjectInfo:
+        """Make the object visible under its key (single PUT or multipart completion).
+
+        Raises:
+            ObjectExists: ``if_absent`` and the key exists (HTTP 412).
+            StorageError: any other failure; the multipart upload is aborted.
+        """
+        if self._done:
+            raise StorageError(f"commit of {self.key} after commit/abort")
+        cond = {"IfNoneMatch": "*"} if self._if_absent else {}
+        try:
+            if self._upload_id is None:
+                self._s.limiter.acquire(len(self._buf))
+                self._s.call(
+                    "put_object",
+                    self.key,
+                    Key=self._obj,
+                    Body=bytes(self._buf),
+                    ChecksumCRC32C=b64crc(self.crc),
+                    Metadata={CRC_META: b64crc(self.crc)},
+                    **cond,
+                )
+            else:
+                if self._buf:
+                    self._submit(bytes(self._buf))
+                while self._pending:
+                    self._parts.append(self._pending.popleft().result())
+                self._s.call(
+                    "complete_multipart_upload",
+                    self.key,
+                    Key=self._obj,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": self._parts},
+                    ChecksumCRC32C=b64crc(self.crc),
+                    ChecksumType="FULL_OBJECT",
+                    **cond,
+                )
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self._shutdown()
+        self._buf = bytearray()
+        return ObjectInfo(self.key, self.bytes_written, time.time())
+
+    def abort(self) -> None:
+        """Discard the write; aborts the multipart upload (idempotent, never raises)."""
+        if self._done:
+            return
+        self._done = True
+        for f in self._pending:
+            f.cancel()
+        self._shutdown()
+        self._buf = bytearray()
+        if self._upload_id is not None:
+            try:
+                self._s.call(
+                    "abort_multipart_upload", self.key, Key=self._obj, UploadId=self._upload_id
+                )
+            except StorageError:
+                pass  # left for abort_incomplete_uploads / the bucket lifecycle rule
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> S3Writer:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class CheckedReader(io.RawIOBase):
+    """A raw reader over a ``StreamingBody`` that checks the CRC32C at end of stream.
+
+    ``expected`` is the object's full-object CRC32C (int) or None when S3 has none.
+    Raises ``StorageError`` from ``readinto`` when the bytes read do not match.
+    """
+
+    def __init__(self, body: Any, key: str, expected: int | None) -> None:
+        super().__init__()
+        self._body = body
+        self._key = key
+        self._expected = expected
+        self._crc = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        data = self._body.read(len(mv))
+        n = len(data)
+        mv[:n] = data
+        if n:
+            self._crc = crc32c.crc32c(data, self._crc)
+        elif self._expected is not None and self._crc != self._expected:
+            raise StorageError(
+                f"CRC32C mismatch reading {self._key}: the object is corrupt or was "
+                "replaced during the read; read it again or fall back to an older checkpoint"
+            )
+        return n
+
+    def close(self) -> None:
+        try:
+            self._body.close()
+        finally:
+            super().close()
+
+
+def make_client(options: S3Options) -> Any:
+    """A boto3 S3 client with ckrun's retry, timeout and pool settings (boto3 lazy)."""
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session()
+    region = options.s3_region or session.region_name or "us-east-1"
+    cfg = Config(
+        retries={"mode": options.s3_retry_mode, "total_max_attempts": options.s3_max_attempts},
+        connect_timeout=options.s3_timeout_s,
+        read_timeout=options.s3_timeout_s,
+        max_pool_connections=max(10, options.s3_max_concurrency * 2),
+        s3={"addressing_style": options.s3_addressing_style},
+    )
+    return session.client("s3", region_name=region, endpoint_url=options.endpoint_url, config=cfg)
+
+
+_DENIED = {
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "AllAccessDisabled",
+    "AccountProblem",
+}
+
+
+def map_s3_error(exc: BaseException, *, op: str, url: str, endpoint: str) -> StorageError:
+    """Map a botocore exception to the most specific ``StorageError``, naming the fix."""
+    if isinstance(exc, StorageError):
+        return exc
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
+
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        return StoragePermissionError(
+            f"no AWS credentials for {url}: boto3's default chain found none; set "
+            "AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or attach an instance/pod "
+            "role (ckrun never reads credentials from its config)"
+        )
+    if isinstance(exc, ConnectionError):
+        return StorageError(
+            f"cannot reach the S3 endpoint {endpoint} ({op} {url}): {exc}; "
+            "check endpoint_url / AWS_ENDPOINT_URL_S3 and the network"
+        )
+    if not isinstance(exc, ClientError):
+        return StorageError(f"S3 {op} on {url} failed: {type(exc).__name__}: {exc}")
+    err = exc.response.get("Error", {})
+    code = str(err.get("Code", ""))
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    bucket = url[5:].split("/", 1)[0]
+    if code == "NoSuchBucket" or (op == "head_bucket" and code in ("404", "NotFound")):
+        return StorageError(
+            f"bucket {bucket!r} does not exist at {endpoint}: create it "
+            f"(aws s3 mb s3://{bucket}) or fix --storage"
+        )
+    if code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
+        return ObjectNotFound(f"{url} does not exist")
+    if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+        return ObjectExists(
+            f"{url} already exists (conditional create lost); another "
+            "attempt committed this key first"
+        )
+    if code in _DENIED or status == 403:
+        return StoragePermissionError(
+            f"access denied: {op} on {url} ({code}); grant s3:ListBucket, s3:GetObject, "
+            "s3:PutObject, s3:DeleteObject and s3:AbortMultipartUpload on the bucket/prefix to "
+            "the credentials boto3 finds"
+        )
+    if code in ("SlowDown", "503", "ServiceUnavailable", "InternalError", "500"):
+        return StorageError(
+            f"S3 kept failing ({code}) on {op} {url} after retries: raise "
+            "s3_max_attempts or use s3_retry_mode: adaptive"
+        )
+    return StorageError(f"S3 {op} on {url} failed: {code} {err.get('Message', '')}".rstrip())
