@@ -95,10 +95,18 @@ def preflight(cfg: RunConfig, rundir: RunDir, storage: Storage | None = None) ->
 
 def newest_step(storage: Storage) -> int | None:
     """Newest committed checkpoint step in ``storage`` (None when there is none)."""
+    return newest(storage)[0]
+
+
+def newest(storage: Storage) -> tuple[int | None, float | None]:
+    """(step, save_duration_s) of the newest committed checkpoint, or (None, None)."""
     from ckrun.checkpoint import discovery
 
     ms = discovery.committed(storage)
-    return max(m.step for m in ms) if ms else None
+    if not ms:
+        return None, None
+    m = max(ms, key=lambda m: m.step)
+    return m.step, float(m.save_duration_s)
 
 
 def newest_attempt(storage: Storage) -> int | None:

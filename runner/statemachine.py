@@ -133,12 +133,14 @@ class ChildExited:
         status: shell-style exit status (128+N for signal N).
         newest_step: newest committed step in storage now (None: none).
         complete: a valid COMPLETE.json exists now.
+        save_s: the newest checkpoint's own save duration (manifest), seconds.
     """
 
     status: int
     newest_step: int | None = None
     complete: bool = False
     now: float = 0.0
+    save_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -385,7 +387,7 @@ def _exited(s: State, ev: ChildExited) -> Result:
     if s.phase is Phase.RUNNING:
         return _exited_running(s, ev, progress, log)
     s = _r(s, preemptions=s.preemptions + 1)
-    return _preempted(s, progress, ev.now, [log], ev.newest_step)
+    return _preempted(s, progress, ev.now, [log], ev.newest_step, ev.save_s)
 
 
 def _exited_running(s: State, ev: ChildExited, progress: bool, log: Log) -> Result:
@@ -402,7 +404,7 @@ def _exited_running(s: State, ev: ChildExited, progress: bool, log: Log) -> Resu
     if ev.status in (ExitCode.PREEMPTED, ExitCode.PREEMPTED_NO_CHECKPOINT, _TERMINATED_BY_TERM):
         s = _r(s, preemptions=s.preemptions + 1, notice_kind="termination",
                notice_source="child", notice_at=ev.now)
-        return _preempted(s, progress, ev.now, [log], ev.newest_step)
+        return _preempted(s, progress, ev.now, [log], ev.newest_step, ev.save_s)
     failures = s.failures + 1
     no_progress = 0 if progress else s.no_progress + 1
     s = _r(s, failures=failures, no_progress=no_progress)
@@ -424,15 +426,18 @@ def _exited_running(s: State, ev: ChildExited, progress: bool, log: Log) -> Resu
 
 
 def _preempted(
-    s: State, progress: bool, now: float, acts: list[Action], step_: int | None = None
+    s: State, progress: bool, now: float, acts: list[Action], step_: int | None = None,
+    save_s: float | None = None,
 ) -> Result:
     code = ExitCode.PREEMPTED if progress else ExitCode.PREEMPTED_NO_CHECKPOINT
     s = _r(s, phase=Phase.PREEMPTED, exit_code=None, child=False)
     took = now - (s.notice_at if s.notice_at is not None else now)
-    ck = (f"checkpoint step {step_} committed in {took:.1f} s" if progress
-          else f"no new checkpoint (last step {s.base_step})")
+    save = f"committed in {save_s:.2f} s, " if save_s is not None else ""
+    ck = (f"checkpoint step {step_} {save}child gone {took:.1f} s after the notice"
+          if progress else f"no new checkpoint (last step {s.base_step})")
     fields = {"step": step_ if progress else s.base_step, "seconds": round(took, 3),
-              "new_checkpoint": progress, "exit_code": int(code)}
+              "save_s": save_s if progress else None, "new_checkpoint": progress,
+              "exit_code": int(code)}
     if s.cancel:
         s, more = _stop(s, Phase.CANCELLED, ExitCode.OK, "cancelled", f"cancelled; {ck}",
                         **fields)

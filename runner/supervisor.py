@@ -215,10 +215,11 @@ class Supervisor:
             return
         self.child = None
         self._strays_term_at = self._strays_kill_at = None
-        from ckrun.resume import is_complete, newest_step
+        from ckrun.resume import is_complete, newest
 
-        self._queue.append(sm.ChildExited(c.status, newest_step(self.storage),
-                                          is_complete(self.storage), time.monotonic()))
+        step, save_s = newest(self.storage)
+        self._queue.append(sm.ChildExited(c.status, step, is_complete(self.storage),
+                                          time.monotonic(), save_s))
 
     def _strays(self, c: process.Child, now: float) -> None:
         """Direct child gone, session not empty: wait, TERM, KILL (see module docstring)."""
@@ -269,6 +270,7 @@ class Supervisor:
             msg += f", deadline {dl:%H:%M:%S}Z"
         if a.kind == "notice" and self._delivered is not None:
             fields["signalled_pids"], self._delivered = self._delivered, None
+            msg += f", {self.notice_sig.name} to {len(fields['signalled_pids'])} process(es)"
         self.say(msg)
         step = fields.pop("step", None)
         seconds = fields.pop("seconds", None)

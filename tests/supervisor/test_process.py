@@ -1,0 +1,139 @@
+"""The process layer with real processes and real signals: sessions, 128+N, reaping."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+
+import pytest
+from ckrun import process
+
+ENV = dict(os.environ)
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 10.0) -> object:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.01)
+    raise AssertionError("condition not met within the timeout")
+
+
+def reap_pid(pid: int, timeout: float = 10.0) -> int:
+    got: dict[int, int] = {}
+
+    def done() -> bool:
+        got.update(process.reap())
+        return pid in got
+    wait_for(done, timeout)
+    return got[pid]
+
+
+def test_child_gets_its_own_session_and_status() -> None:
+    c = process.spawn([sys.executable, "-c", "import os,sys; sys.exit(3)"], ENV)
+    assert reap_pid(c.pid) == 3
+    c = process.spawn(["sleep", "30"], ENV)
+    wait_for(lambda: process.session_pids(c.pid))
+    with open(f"/proc/{c.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    assert int(fields[2]) == c.pid and int(fields[3]) == c.pid  # pgrp, session
+    assert os.getsid(c.pid) != os.getsid(0)
+    process.signal_session(c, signal.SIGKILL)
+    assert reap_pid(c.pid) == 128 + signal.SIGKILL
+
+
+def test_exit_status_convention() -> None:
+    assert process.exit_status(3 << 8) == 3
+    assert process.exit_status(int(signal.SIGTERM)) == 128 + signal.SIGTERM
+
+
+def test_group_signal_reaches_grandchildren() -> None:
+    c = process.spawn(["bash", "-c", "sleep 60 & sleep 60 & wait"], ENV)
+    wait_for(lambda: len(process.session_pids(c.pid)) == 3)
+    process.signal_session(c, signal.SIGTERM)
+    assert reap_pid(c.pid) in (0, 128 + signal.SIGTERM)
+    wait_for(lambda: not process.session_alive(c))
+
+
+CATCHER = textwrap.dedent("""
+    import signal, sys, time
+    got = []
+    signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+    print("ready", flush=True)
+    end = time.monotonic() + 20
+    while not got and time.monotonic() < end:
+        time.sleep(0.005)
+    print("caught" if got else "timeout", flush=True)
+""")
+
+
+def test_notice_goes_to_catching_grandchild_not_to_the_shell(tmp_path: object) -> None:
+    r, w = os.pipe()
+    script = f"{sys.executable} -c '{CATCHER}'; echo shell-alive"
+    c = process.spawn(["bash", "-c", script], ENV, output_fd=w)
+    os.close(w)
+    with os.fdopen(r) as out:
+        assert out.readline().strip() == "ready"
+        sent = process.deliver(c, signal.SIGUSR1)
+        assert len(sent) == 1 and sent[0] != c.pid  # the python grandchild, not bash
+        assert out.readline().strip() == "caught"
+        assert out.readline().strip() == "shell-alive"
+    assert reap_pid(c.pid) == 0
+
+
+def test_deliver_spares_processes_without_a_handler() -> None:
+    c = process.spawn(["sleep", "30"], ENV)
+    wait_for(lambda: process.session_pids(c.pid))
+    assert process.deliver(c, signal.SIGUSR1) == []
+    time.sleep(0.1)
+    assert process.session_alive(c)
+    process.signal_session(c, signal.SIGKILL)
+    reap_pid(c.pid)
+
+
+SUBREAPER = textwrap.dedent("""
+    import json, os, sys, time
+    from ckrun import process
+    ok = process.become_subreaper()
+    c = process.spawn(["sh", "-c", "sleep 0.3 & sleep 0.3 & exit 0"], os.environ)
+    reaped = {}
+    end = time.monotonic() + 10
+    while len(reaped) < 3 and time.monotonic() < end:
+        reaped.update(process.reap())
+        time.sleep(0.01)
+    print(json.dumps({"ok": ok, "sub": process.is_subreaper(), "child": c.pid,
+                      "reaped": reaped, "alive": process.session_alive(c)}))
+""")
+
+
+def test_subreaper_reaps_orphaned_grandchildren() -> None:
+    out = subprocess.run([sys.executable, "-c", SUBREAPER], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    res = json.loads(out)
+    assert res["ok"] and res["sub"]
+    assert res["reaped"][str(res["child"])] == 0
+    assert len(res["reaped"]) == 3  # the child and its two orphaned sleepers
+    assert res["alive"] is False
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_as_pid1_in_a_pid_namespace() -> None:
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("cannot create a PID namespace here: " + probe.stderr.decode()[:200])
+    code = SUBREAPER.replace("print(json.dumps({", "print(json.dumps({'pid': os.getpid(), ")
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                          code], capture_output=True, text=True, timeout=30, check=True).stdout
+    res = json.loads(out)
+    assert res["pid"] == 1 and res["ok"]
+    assert len(res["reaped"]) == 3

@@ -1,0 +1,182 @@
+"""DESIGN.md §4.5 as transition tables of the pure ``step()``: no processes, no clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import pytest
+from ckrun import statemachine as sm
+from ckrun.statemachine import Phase
+
+P = sm.Policy(max_requeues=2, max_failures=3, crash_loop_failures=2, grace_s=30.0,
+              margin_s=2.0, kill_delay_s=5.0, backoff_s=1.0, backoff_max_s=3.0)
+
+
+def st(**kw: object) -> sm.State:
+    return dataclasses.replace(sm.State(policy=P), **kw)  # type: ignore[arg-type]
+
+
+def running(**kw: object) -> sm.State:
+    base: dict[str, object] = dict(phase=Phase.RUNNING, attempt=1, child=True, base_step=10)
+    base.update(kw)
+    return st(**base)
+
+
+def draining(**kw: object) -> sm.State:
+    base = dict(phase=Phase.DRAINING, notice_at=100.0, deadline=130.0, notice_kind="drill",
+                notice_source="cli:preempt")
+    base.update(kw)
+    return running(**base)
+
+
+def kinds(actions: list[sm.Action]) -> list[str]:
+    return [type(a).__name__ + (f":{a.kind}" if isinstance(a, sm.Log) else "")
+            + (f":{a.code}" if isinstance(a, sm.Exit) else "") for a in actions]
+
+
+# (name, state, event, expected phase, expected action kinds)
+TABLE = [
+    ("preflight complete", st(), sm.Preflighted("complete", 50),
+     Phase.ALREADY_COMPLETE, ["Log:already_complete", "Exit:0"]),
+    ("preflight incompatible", st(), sm.Preflighted("incompatible", 50, ("launch_hash: a → b",)),
+     Phase.INCOMPATIBLE, ["Log:incompatible", "Exit:4"]),
+    ("preflight ready", st(), sm.Preflighted("ready", 50),
+     Phase.RUNNING, ["Spawn", "Log:attempt_start"]),
+    ("preflight cancelled", st(), sm.Preflighted("cancelled"),
+     Phase.CANCELLED, ["Log:cancelled", "Exit:0"]),
+    ("child exits 0", running(), sm.ChildExited(0, 20, True, 5.0),
+     Phase.COMPLETED, ["Log:child_exit", "Log:completed", "Exit:0"]),
+    ("child fails, budget left", running(), sm.ChildExited(1, 20, False, 5.0),
+     Phase.RUNNING, ["Log:child_exit", "Log:backoff"]),
+    ("child fails, budget spent", running(failures=3), sm.ChildExited(1, 20, False, 5.0),
+     Phase.FAILED, ["Log:child_exit", "Log:failed", "Exit:1"]),
+    ("child fails, no progress (crash loop)", running(no_progress=1),
+     sm.ChildExited(1, 10, False, 5.0), Phase.FAILED, ["Log:child_exit", "Log:failed", "Exit:1"]),
+    ("child exits 4", running(), sm.ChildExited(4, 10), Phase.INCOMPATIBLE,
+     ["Log:child_exit", "Log:incompatible", "Exit:4"]),
+    ("child exits 3", running(), sm.ChildExited(3, 10), Phase.FAILED,
+     ["Log:child_exit", "Log:failed", "Exit:3"]),
+    ("child exits 75 on its own", running(), sm.ChildExited(75, 11, False, 5.0),
+     Phase.PREEMPTED, ["Log:child_exit", "Log:preempted", "Requeue"]),
+    ("notice", running(), sm.NoticeEvent("drill", "cli", 1000.0, 100.0),
+     Phase.DRAINING, ["WriteNotice", "Deliver", "Log:notice"]),
+    ("INT forwarded", running(), sm.Forward(int(signal.SIGINT)),
+     Phase.RUNNING, ["SignalGroup", "Log:forward"]),
+    ("second notice", draining(), sm.NoticeEvent("preemption", "aws", 120.0, 101.0),
+     Phase.DRAINING, ["Log:notice"]),
+    ("draining child exits", draining(), sm.ChildExited(75, 11, False, 101.0, 0.4),
+     Phase.PREEMPTED, ["Log:child_exit", "Log:preempted", "Requeue"]),
+    ("deadline minus margin", draining(), sm.Tick(128.0),
+     Phase.STOPPING, ["Escalate", "Log:escalate"]),
+    ("before the margin nothing", draining(), sm.Tick(127.9), Phase.DRAINING, []),
+    ("stopping kill delay", draining(phase=Phase.STOPPING, kill_at=133.0), sm.Tick(133.0),
+     Phase.STOPPING, ["Kill", "Log:kill"]),
+    ("stopping child exits", draining(phase=Phase.STOPPING, kill_at=133.0),
+     sm.ChildExited(143, 10, False, 131.0), Phase.PREEMPTED,
+     ["Log:child_exit", "Log:preempted", "Requeue"]),
+]
+
+
+@pytest.mark.parametrize("name,state,event,phase,actions", TABLE, ids=[t[0] for t in TABLE])
+def test_transition(name: str, state: sm.State, event: sm.Event, phase: Phase,
+                    actions: list[str]) -> None:
+    new, acts = sm.step(state, event)
+    assert new.phase is phase
+    assert kinds(acts) == actions
+
+
+def test_notice_deadline_capped_by_grace_and_second_keeps_earlier() -> None:
+    s, acts = sm.step(running(), sm.NoticeEvent("preemption", "aws", 500.0, 100.0))
+    assert s.deadline == 130.0  # grace 30 s caps the 400 s notice
+    assert isinstance(acts[0], sm.WriteNotice) and acts[0].seconds_left == 30.0
+    s2, _ = sm.step(s, sm.NoticeEvent("preemption", "gcp", 120.0, 101.0))
+    assert s2.deadline == 120.0
+    s3, _ = sm.step(s2, sm.NoticeEvent("drill", "cli", 125.0, 102.0))
+    assert s3.deadline == 120.0
+
+
+def test_preempted_exit_code_tells_new_checkpoint_from_none() -> None:
+    s, _ = sm.step(draining(), sm.ChildExited(75, 11, False, 101.0))
+    s, acts = sm.step(s, sm.Requeued("requeued"))
+    assert acts[-1] == sm.Exit(75)
+    s, _ = sm.step(draining(), sm.ChildExited(75, 10, False, 101.0))  # no newer commit
+    s, acts = sm.step(s, sm.Requeued("requeued"))
+    assert acts[-1] == sm.Exit(76)
+
+
+def test_restart_here_goes_back_to_preflight_unless_supervisor_terminated() -> None:
+    s, _ = sm.step(draining(), sm.ChildExited(75, 11, False, 101.0))
+    s2, acts = sm.step(s, sm.Requeued("restart_here"))
+    assert s2.phase is Phase.PREFLIGHT and isinstance(acts[-1], sm.RunPreflight)
+    s, _ = sm.step(draining(self_term=True), sm.ChildExited(75, 11, False, 101.0))
+    s2, acts = sm.step(s, sm.Requeued("restart_here"))
+    assert acts[-1] == sm.Exit(75) and s2.exit_code == 75
+
+
+def test_requeue_failure_exits_6() -> None:
+    s, _ = sm.step(draining(), sm.ChildExited(75, 11, False, 101.0))
+    s, acts = sm.step(s, sm.Requeued("failed", "scontrol: permission denied"))
+    assert s.phase is Phase.REQUEUE_FAILED and acts[-1] == sm.Exit(6)
+
+
+def test_requeue_budget_counts_preemptions() -> None:
+    s, acts = sm.step(draining(preemptions=2), sm.ChildExited(75, 11, False, 101.0))
+    assert s.preemptions == 3 and acts[-1] == sm.Exit(75)
+    assert "budget spent" in [a for a in acts if isinstance(a, sm.Log)][-1].message
+
+
+def test_backoff_doubles_and_is_capped_then_preflight() -> None:
+    s = running()
+    delays = []
+    for i in range(3):
+        s, acts = sm.step(dataclasses.replace(s, child=True, phase=Phase.RUNNING),
+                          sm.ChildExited(1, 11 + i, False, 10.0 * i))
+        delays.append(s.respawn_at - 10.0 * i)  # type: ignore[operator]
+        s = dataclasses.replace(s, base_step=11 + i)
+    assert delays == [1.0, 2.0, 3.0]
+    s2, acts = sm.step(s, sm.Tick(s.respawn_at - 0.01))  # type: ignore[operator]
+    assert acts == []
+    s2, acts = sm.step(s, sm.Tick(s.respawn_at))  # type: ignore[arg-type]
+    assert s2.phase is Phase.PREFLIGHT and acts == [sm.RunPreflight()]
+
+
+def test_progress_resets_the_crash_loop_guard() -> None:
+    s, _ = sm.step(running(no_progress=1), sm.ChildExited(1, 12, False, 1.0))
+    assert s.phase is Phase.RUNNING and s.no_progress == 0
+
+
+def test_forwarded_int_then_exit_stops_without_restart() -> None:
+    s, _ = sm.step(running(), sm.Forward(int(signal.SIGINT)))
+    s, acts = sm.step(s, sm.ChildExited(130, 10, False, 1.0))
+    assert s.phase is Phase.FAILED and acts[-1] == sm.Exit(1)
+
+
+def test_cancel_drains_then_stops_with_0() -> None:
+    s, _ = sm.step(running(), sm.NoticeEvent("termination", "cli:cancel", 999.0, 1.0,
+                                             cancel=True))
+    assert s.phase is Phase.DRAINING
+    s, acts = sm.step(s, sm.ChildExited(75, 11, False, 2.0))
+    assert s.phase is Phase.CANCELLED and acts[-1] == sm.Exit(0)
+
+
+def test_notice_during_backoff_needs_no_drain() -> None:
+    s = running(child=False, respawn_at=50.0)
+    s, acts = sm.step(s, sm.NoticeEvent("drill", "cli", 999.0, 10.0))
+    assert s.phase is Phase.PREEMPTED and isinstance(acts[-1], sm.Requeue)
+
+
+def test_spawn_failure_fails_with_reason() -> None:
+    s, _ = sm.step(st(), sm.Preflighted("ready"))
+    s, acts = sm.step(s, sm.SpawnFailed("cannot run 'nope': No such file"))
+    assert s.phase is Phase.FAILED and acts[-1] == sm.Exit(1) and "nope" in s.why
+
+
+def test_attempt_ids_are_zero_based_and_continue() -> None:
+    s, acts = sm.step(st(attempt=3), sm.Preflighted("ready", 7))
+    assert acts[0] == sm.Spawn(3, 7) and s.attempt == 4
+
+
+def test_terminal_states_ignore_events() -> None:
+    s, _ = sm.step(st(), sm.Preflighted("complete"))
+    assert sm.step(s, sm.NoticeEvent("drill", "cli", 1.0)) == (s, [])
