@@ -253,7 +253,8 @@ class Checkpointer:
                     log.warning("latest(): skipping step %d: %s", m.step, "; ".join(problems))
                     continue
                 self._verified.add(m.key)
-            cmp = compare(current, m.compat, allow_change=self.allow_change, policy=self.policy)
+            cmp = compare(current, m.compat, allow_change=self.allow_change, policy=self.policy,
+                          only_current=not self._state_compat)  # no state seen: partial block
             return None if cmp.refuse else m
         return None
 

@@ -118,20 +118,15 @@ def _tag(kind: str, **kw: Any) -> dict[str, Any]:
 
 
 def _encode(v: Any, tensors: list[Any], path: str, copy: bool) -> Any:
+    np = sys.modules.get("numpy")  # an ndarray exists only if numpy was imported
+    if np is not None and isinstance(v, (np.ndarray, np.generic)):
+        return _numpy_value(v, tensors, path, copy)
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else _tag("float", v=repr(v))
     if isinstance(v, torch.Tensor):
         return _tensor(v, tensors, path, copy)
-    np = sys.modules.get("numpy")  # an ndarray exists only if numpy was imported
-    if np is not None and isinstance(v, np.ndarray):
-        if v.dtype.hasobject:
-            raise CheckpointError(f"{path}: numpy arrays of Python objects cannot be saved")
-        tensors.append(np.ascontiguousarray(v).copy() if copy else np.ascontiguousarray(v))
-        return _tag("ndarray", i=len(tensors) - 1)
-    if np is not None and isinstance(v, np.generic):
-        return _tag("npscalar", dtype=v.dtype.str, v=_encode(v.item(), tensors, path, copy))
     if isinstance(v, Mapping):
         return _mapping(v, tensors, path, copy)
     if isinstance(v, list):
@@ -151,6 +146,17 @@ def _encode(v: Any, tensors: list[Any], path: str, copy: bool) -> Any:
         f"{path}: cannot checkpoint a value of type {type(v).__qualname__}; store tensors, "
         "numbers, strings, lists, tuples or dicts (or an object with state_dict())"
     )
+
+
+def _numpy_value(v: Any, tensors: list[Any], path: str, copy: bool) -> Any:
+    import numpy as np
+
+    if isinstance(v, np.generic):
+        return _tag("npscalar", dtype=v.dtype.str, v=_encode(v.item(), tensors, path, copy))
+    if v.dtype.hasobject:
+        raise CheckpointError(f"{path}: numpy arrays of Python objects cannot be saved")
+    tensors.append(np.ascontiguousarray(v).copy() if copy else np.ascontiguousarray(v))
+    return _tag("ndarray", i=len(tensors) - 1)
 
 
 def _mapping(v: Mapping[Any, Any], tensors: list[Any], path: str, copy: bool) -> Any:
