@@ -1,0 +1,27 @@
+"""The shipped spot profiles resolve and start their notice source (loopback servers)."""
+
+from __future__ import annotations
+
+from ckrun.config import build_notice_sources, resolve
+from metaservers import AwsImds, GcpMetadata, wait_notice
+
+
+def test_aws_spot_profile(aws: AwsImds, closing, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", aws.url)
+    cfg = resolve(profile="aws-spot", run="r", command=("true",))
+    assert cfg.storage.startswith("s3://") and cfg.notice_sources == ("aws",)
+    assert cfg.grace_s + cfg.margin_s <= 120  # AWS's notice window
+    (src,) = [closing(s) for s in build_notice_sources(cfg)]
+    assert src.interval_s == 5.0
+    aws.arm(deadline_s=120)
+    n = wait_notice(src, timeout_s=3)  # the start-up round, not the 5 s period
+    assert n.source == "aws"
+
+
+def test_gcp_spot_profile(gcp: GcpMetadata, closing, monkeypatch) -> None:
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{gcp.port}")
+    cfg = resolve(profile="gcp-spot", run="r", command=("true",))
+    assert cfg.notice_sources == ("gcp",) and cfg.grace_s + cfg.margin_s <= 30
+    (src,) = [closing(s) for s in build_notice_sources(cfg)]
+    gcp.preempt()
+    assert wait_notice(src).source == "gcp"
