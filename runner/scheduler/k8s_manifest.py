@@ -122,34 +122,77 @@ def storage_volume(
     )
 
 
-def check_grace(spec: JobSpec, opts: Options) -> None:
-    """Check that the grace period fits a save.
+def split_storage(spec: JobSpec) -> tuple[str, tuple[str, ...]]:
+    """The storage *base* ``ckrun run --storage`` needs, and the other supervisor args.
+
+    ``launch.submit`` passes the base as ``--storage BASE`` in ``spec.supervisor_args``
+    and the run root (``BASE/RUN``) as ``spec.storage``; without the former the base is
+    ``spec.storage`` less a trailing ``/RUN``.
+    """
+    args, rest, base = list(spec.supervisor_args), [], None
+    while args:
+        arg = args.pop(0)
+        if arg == "--storage" and args:
+            base = args.pop(0)
+        elif arg.startswith("--storage="):
+            base = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if base is None:
+        base = spec.storage.rstrip("/")
+        base = base.removesuffix("/" + spec.run) if base != spec.run else base
+    return base, tuple(rest)
+
+
+def grace_s(spec: JobSpec, opts: Options) -> float:
+    """The supervisor's drain budget after SIGTERM (``CKRUN_GRACE_S`` in the pod).
+
+    ``spec.env["CKRUN_GRACE_S"]`` when given, else ``termination_grace_period_s -
+    grace_margin_s``: the kubelet's SIGKILL comes ``termination_grace_period_s`` after its
+    SIGTERM, and the supervisor still needs the margin to stop the child, verify the
+    commit and exit.
 
     Raises:
-        ConfigError: ``termination_grace_period_s < save_time_s + grace_margin_s``, or a
-            ``--grace`` in ``spec.supervisor_args`` longer than the grace period.
+        ConfigError: the budget does not fit (``grace + grace_margin_s >
+            termination_grace_period_s``), or a measured save does not fit in it.
     """
-    need = opts.save_time_s + opts.grace_margin_s
-    if opts.save_time_s > 0 and opts.termination_grace_period_s < need:
+    tgps, margin = opts.termination_grace_period_s, opts.grace_margin_s
+    given = spec.env.get("CKRUN_GRACE_S")
+    try:
+        grace = float(given) if given else tgps - margin
+    except ValueError as exc:
+        raise ConfigError(f"CKRUN_GRACE_S={given!r} is not a number of seconds") from exc
+    if grace < 5 or grace + margin > tgps:
         raise ConfigError(
-            f"termination_grace_period_s={opts.termination_grace_period_s} is shorter than "
-            f"the measured save time {opts.save_time_s:g} s + margin "
-            f"{opts.grace_margin_s:g} s: the kubelet would SIGKILL ckrun mid-save; set "
-            f"termination_grace_period_s: {int(need + 0.999)} or more"
+            f"a drain budget of {grace:g} s plus grace_margin_s {margin:g} s does not fit in "
+            f"termination_grace_period_s={tgps}: the kubelet would SIGKILL ckrun first; set "
+            f"termination_grace_period_s: {int(max(grace, 5) + margin + 0.999)} or more"
         )
-    args = list(spec.supervisor_args)
-    for i, arg in enumerate(args):
-        value = (
-            arg.split("=", 1)[1]
-            if arg.startswith("--grace=")
-            else (args[i + 1] if arg == "--grace" and i + 1 < len(args) else None)
+    if opts.save_time_s > grace:
+        raise ConfigError(
+            f"the measured save time {opts.save_time_s:g} s exceeds the drain budget "
+            f"{grace:g} s (termination_grace_period_s={tgps} - grace_margin_s {margin:g}): "
+            "the kubelet would SIGKILL ckrun mid-save; set termination_grace_period_s: "
+            f"{int(opts.save_time_s + margin + 0.999)} or more"
         )
-        if value is not None and float(value) > opts.termination_grace_period_s:
-            raise ConfigError(
-                f"--grace {value} exceeds termination_grace_period_s="
-                f"{opts.termination_grace_period_s}: the kubelet kills the pod first; "
-                "lower --grace or raise termination_grace_period_s"
-            )
+    return grace
+
+
+#: Environment the submitting machine passes that names *its* paths; meaningless in a pod.
+_SUBMITTER_ENV = ("CKRUN_SUPERVISOR_LOG", "CKRUN_STATE_DIR")
+
+
+def _env(spec: JobSpec, opts: Options, base: str, template_env: list[Any]) -> list[Any]:
+    fixed = {"CKRUN_K8S_TERMINATION_GRACE_S", "CKRUN_GRACE_S", "CKRUN_STATE_DIR"}
+    env = [e for e in template_env if e["name"] not in fixed]
+    env.append(
+        {"name": "CKRUN_K8S_TERMINATION_GRACE_S", "value": str(opts.termination_grace_period_s)}
+    )
+    env.append({"name": "CKRUN_GRACE_S", "value": f"{grace_s(spec, opts):g}"})
+    if base.startswith("s3://"):
+        env.append({"name": "CKRUN_STATE_DIR", "value": STATE_DIR})
+    skip = {*_SUBMITTER_ENV, "CKRUN_GRACE_S"}
+    return env + [{"name": k, "value": v} for k, v in sorted(spec.env.items()) if k not in skip]
 
 
 def _resources(opts: Options) -> dict[str, Any]:
@@ -172,7 +215,8 @@ def _resources(opts: Options) -> dict[str, Any]:
 def _container(spec: JobSpec, opts: Options, template: dict[str, Any]) -> dict[str, Any]:
     """Fill the template's ``ckrun`` container for ``spec``."""
     c = copy.deepcopy(template)
-    storage_arg, _, mounts = storage_volume(spec.storage, opts)
+    base, args = split_storage(spec)
+    storage_arg, _, mounts = storage_volume(base, opts)
     c["image"] = opts.image
     c["command"] = [
         *opts.ckrun_command,
@@ -181,18 +225,11 @@ def _container(spec: JobSpec, opts: Options, template: dict[str, Any]) -> dict[s
         spec.run,
         "--storage",
         storage_arg,
-        *spec.supervisor_args,
+        *args,
         "--",
         *spec.command,
     ]
-    env = [e for e in c.get("env", []) if e["name"] != "CKRUN_K8S_TERMINATION_GRACE_S"]
-    env.append(
-        {"name": "CKRUN_K8S_TERMINATION_GRACE_S", "value": str(opts.termination_grace_period_s)}
-    )
-    if spec.storage.startswith("s3://") and "CKRUN_STATE_DIR" not in spec.env:
-        env.append({"name": "CKRUN_STATE_DIR", "value": STATE_DIR})
-    env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
-    c["env"] = env
+    c["env"] = _env(spec, opts, base, c.get("env", []))
     if opts.env_from_secret:
         c["envFrom"] = [{"secretRef": {"name": opts.env_from_secret}}]
     if opts.image_pull_policy:
@@ -212,7 +249,7 @@ def _pod_spec(spec: JobSpec, opts: Options, template: dict[str, Any]) -> dict[st
     idx = next(i for i, c in enumerate(containers) if c["name"] == CONTAINER)
     containers[idx] = _container(spec, opts, containers[idx])
     pod["terminationGracePeriodSeconds"] = opts.termination_grace_period_s
-    _, volumes, _ = storage_volume(spec.storage, opts)
+    _, volumes, _ = storage_volume(split_storage(spec)[0], opts)
     if opts.shm_size:
         volumes = [
             *volumes,
@@ -242,7 +279,8 @@ def manifest(spec: JobSpec, opts: Options | None = None) -> dict[str, Any]:
         opts: backend options overriding ``spec.options``.
 
     Raises:
-        ConfigError: no image, an unusable storage, or a grace period shorter than a save.
+        ConfigError: no image, an unusable storage, or a grace period that does not fit
+            the drain (see :func:`grace_s`).
     """
     opts = opts or spec.options or Options()
     if not isinstance(opts, Options):
@@ -254,7 +292,6 @@ def manifest(spec: JobSpec, opts: Options | None = None) -> dict[str, Any]:
         )
     if not spec.command:
         raise ConfigError("no training command: give it after the options, e.g. train.py")
-    check_grace(spec, opts)
     doc = load_template()
     name = job_name(spec.run)
     labels = {

@@ -22,7 +22,13 @@ from ckrun import config
 from ckrun.errors import ConfigError, ExitCode
 from ckrun.scheduler.base import JobSpec, get_scheduler
 from ckrun.scheduler.k8s import K8sScheduler, Options, job_name
-from ckrun.scheduler.k8s_manifest import MIN_KUBERNETES_VERSION, dump_yaml, load_template
+from ckrun.scheduler.k8s_manifest import (
+    MIN_KUBERNETES_VERSION,
+    dump_yaml,
+    grace_s,
+    load_template,
+    split_storage,
+)
 
 kv = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate.utils import all_versions, major_minor  # noqa: E402
@@ -43,8 +49,8 @@ CASES: dict[str, Any] = {
     "profile-k8s": _profile_case,
     "gke-spot-gpu-pvc": lambda: JobSpec(
         run="llm-7b", command=("torchrun", "--nproc_per_node=8", "train.py", "--lr", "3e-4"),
-        storage="pvc:ckpt-claim/runs", env={"NCCL_DEBUG": "WARN"},
-        supervisor_args=("--grace", "100"),
+        storage="pvc:ckpt-claim/llm-7b", env={"NCCL_DEBUG": "WARN"},
+        supervisor_args=("--storage", "pvc:ckpt-claim", "--allow-change", "world_size"),
         options=Options(
             image="us-docker.pkg.dev/acme/ml/train:2026-11", namespace="ml", gpus=8,
             cpu="90", memory="600Gi", shm_size="64Gi", priority_class="spot-batch",
@@ -161,7 +167,7 @@ def test_job_shape() -> None:
     assert c["command"][:4] == ["ckrun", "run", "--run", "llm-7b"]
     assert c["command"][c["command"].index("--") + 1:] == list(spec.command)
     assert "args" not in c and "shareProcessNamespace" not in pod
-    assert c["command"][c["command"].index("--storage") + 1] == "/ckrun-storage/runs"
+    assert c["command"][c["command"].index("--storage") + 1] == "/ckrun-storage"
     assert pod["volumes"][0] == {"name": "ckrun-storage",
                                  "persistentVolumeClaim": {"claimName": "ckpt-claim"}}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
@@ -183,7 +189,8 @@ def test_s3_storage_gets_a_pod_local_state_dir() -> None:
     ({"image": "i"}, {"storage": "/mnt/ckpt"}, "pvc:CLAIM"),
     ({"image": "i"}, {"storage": "pvc:Bad_Claim"}, "not a valid PVC name"),
     ({"image": "i", "save_time_s": 200}, {}, "termination_grace_period_s: 220"),
-    ({"image": "i"}, {"supervisor_args": ("--grace", "300")}, "exceeds"),
+    ({"image": "i"}, {"env": {"CKRUN_GRACE_S": "110"}}, "termination_grace_period_s: 130"),
+    ({"image": "i", "termination_grace_period_s": 22}, {}, "termination_grace_period_s: 25"),
     ({"image": "i"}, {"command": ()}, "training command"),
 ])
 def test_render_refuses(kwargs: dict[str, Any], spec_kw: dict[str, Any], needle: str) -> None:
@@ -234,3 +241,31 @@ def test_rbac_example_is_valid() -> None:
                                          "ServiceAccount"]
     for doc in docs:
         assert [v for v in SUPPORTED if _validate(doc, v)] == [], doc["kind"]
+
+
+@pytest.mark.parametrize(("storage", "args", "base"), [
+    ("s3://b/runs/demo", ("--storage", "s3://b/runs", "--allow-change", "x"), "s3://b/runs"),
+    ("s3://b/runs/demo", ("--storage=pvc:c/runs",), "pvc:c/runs"),
+    ("s3://b/runs/demo", (), "s3://b/runs"),     # the run root less /RUN
+    ("pvc:claim", (), "pvc:claim"),
+])
+def test_storage_base(storage: str, args: tuple[str, ...], base: str) -> None:
+    spec = JobSpec(run="demo", command=("t",), storage=storage, supervisor_args=args)
+    assert split_storage(spec) == (base, tuple(a for a in args if a in ("--allow-change", "x")))
+
+
+def test_cli_shaped_spec() -> None:
+    """What launch.submit passes: run root as storage, base in --storage, submitter paths."""
+    spec = JobSpec(run="demo", command=("python", "t.py"), storage="pvc:ckpt/runs/demo",
+                   supervisor_args=("--storage", "pvc:ckpt/runs", "--allow-change", "lr"),
+                   env={"CKRUN_SUPERVISOR_LOG": "/home/me/st/demo/supervisor.log",
+                        "CKRUN_STATE_DIR": "/home/me/st", "WANDB_MODE": "offline"},
+                   options=Options(image="i", termination_grace_period_s=90))
+    c = K8sScheduler().manifest(spec)["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["ckrun", "run", "--run", "demo", "--storage", "/ckrun-storage/runs",
+                            "--allow-change", "lr", "--", "python", "t.py"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert "CKRUN_SUPERVISOR_LOG" not in env and "CKRUN_STATE_DIR" not in env
+    assert env["WANDB_MODE"] == "offline"
+    assert env["CKRUN_GRACE_S"] == "70" and env["CKRUN_K8S_TERMINATION_GRACE_S"] == "90"
+    assert grace_s(spec, spec.options) == 70.0
