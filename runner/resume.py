@@ -117,6 +117,20 @@ def newest_attempt(storage: Storage) -> int | None:
     return max(m.attempt for m in ms) if ms else None
 
 
+def attempt_commits(storage: Storage, attempt: int) -> list[dict[str, Any]]:
+    """Checkpoints committed by ``attempt`` still listed: step, committed_utc, save_s, kind.
+
+    Recorded in ``events.jsonl`` when the attempt ends, so ``ckrun status`` can account
+    for them after retention deleted them.
+    """
+    from ckrun.checkpoint import discovery
+
+    return [{"step": m.step, "committed_utc": m.committed_utc, "save_s": m.save_duration_s,
+             "kind": m.kind}
+            for m in sorted(discovery.committed(storage), key=lambda m: m.step)
+            if m.attempt == attempt]
+
+
 def is_complete(storage: Storage) -> bool:
     """True when a valid ``COMPLETE.json`` exists."""
     from ckrun.checkpoint import discovery

@@ -215,9 +215,11 @@ class Supervisor:
             return
         self.child = None
         self._strays_term_at = self._strays_kill_at = None
-        from ckrun.resume import is_complete, newest
+        from ckrun.resume import attempt_commits, is_complete, newest
 
         step, save_s = newest(self.storage)
+        self.events.append("attempt_end", status=c.status, seconds=now - c.started,
+                           commits=attempt_commits(self.storage, self.events.attempt))
         self._queue.append(sm.ChildExited(c.status, step, is_complete(self.storage),
                                           time.monotonic(), save_s))
 
