@@ -1,0 +1,51 @@
+"""Retention as property tests (hypothesis) on the pure selection, plus plan ordering."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckrun.checkpoint import retention
+
+steps_st = st.dictionaries(st.integers(0, 500), st.sampled_from(["recovery", "milestone"]),
+                           max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=steps_st, keep_last=st.integers(1, 6),
+       milestone_every=st.one_of(st.none(), st.integers(1, 50)),
+       resumed=st.one_of(st.none(), st.integers(0, 500)))
+def test_selection_properties(steps: dict[int, str], keep_last: int,
+                              milestone_every: int | None, resumed: int | None) -> None:
+    protect = set() if resumed is None else {resumed}
+    if steps:
+        protect.add(max(steps))  # the checkpoint just committed
+    drop = retention.select(steps, keep_last=keep_last, milestone_every=milestone_every,
+                            protect=protect)
+    assert drop <= set(steps)
+    if steps:
+        assert max(steps) not in drop
+    if resumed is not None:
+        assert resumed not in drop
+    newest = sorted(steps, reverse=True)[:keep_last]
+    assert not drop & set(newest)
+    for s, kind in steps.items():
+        if kind == "milestone" or (milestone_every and s % milestone_every == 0):
+            assert s not in drop
+    kept = set(steps) - drop
+    assert len(kept) >= min(keep_last, len(steps))
+    # everything not protected by a rule is deleted (retention does not leak)
+    for s in drop:
+        assert s not in protect
+
+
+@given(st.lists(st.integers(0, 100), unique=True, min_size=1, max_size=20))
+def test_final_is_never_deleted(steps: list[int]) -> None:
+    kinds = {s: "final" for s in steps}
+    assert retention.select(kinds, keep_last=1) == set()
+
+
+def test_keep_last_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        retention.select({1: "recovery"}, keep_last=0)
