@@ -15,7 +15,6 @@ import os
 from typing import Any
 
 import click
-
 from ckrun.checkpoint.discovery import completion, scan
 from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.verify import head_problems, verify_manifest

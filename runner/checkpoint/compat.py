@@ -46,7 +46,7 @@ DEFAULT_POLICY: dict[str, str] = {
     "ckrun_version": WARN,
     "python_version": WARN,
 }
-ABSENT = "<absent>"
+ABSENT: Any = object()  # a path missing on one side; shown as <absent>
 
 
 def normalize(value: Any, path: str = "compat") -> Any:
@@ -92,7 +92,7 @@ def flatten(block: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def fmt(v: Any) -> str:
     """Readable value for a diff line (``0.0003``, ``'adamw'``, ``<absent>``)."""
     if v is ABSENT:
-        return ABSENT
+        return "<absent>"
     if isinstance(v, str):
         return v
     return str(repr(v))

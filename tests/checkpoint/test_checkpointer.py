@@ -9,11 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ckrun
 import pytest
 import torch
-from conftest import COMPAT, make_state, params_equal, remount_ro
-
-import ckrun
+from ckpt_helpers import COMPAT, make_state, params_equal, remount_ro
 from ckrun.checkpoint import discovery, layout
 from ckrun.errors import (
     ConfigError,

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from click.testing import CliRunner
-
 import ckrun
+import torch
 from ckrun.checkpoint import layout
 from ckrun.cli_checkpoint import ls, verify
+from click.testing import CliRunner
 
 
 def _run(run_dir: Path) -> list[ckrun.Manifest]:

@@ -8,10 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-from conftest import COMPAT
-
 import ckrun
+import torch
+from ckpt_helpers import COMPAT
 from ckrun.checkpoint import discovery, layout
 
 

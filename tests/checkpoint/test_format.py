@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from ckrun.checkpoint import format as fmt
 from ckrun.checkpoint.manifest import UnsupportedFormat
 from ckrun.errors import CheckpointError, CorruptCheckpoint

@@ -7,10 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ckrun
 import pytest
 import torch
-
-import ckrun
 from ckrun.errors import ConfigError
 
 SCRIPT = """

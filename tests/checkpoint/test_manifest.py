@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import pytest
-
 from ckrun.checkpoint import layout
 from ckrun.checkpoint.manifest import Manifest, ShardInfo, UnsupportedFormat
 from ckrun.checkpoint.marker import CompletionMarker

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from ckrun.checkpoint import retention
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from ckrun.checkpoint import retention
 
 steps_st = st.dictionaries(st.integers(0, 500), st.sampled_from(["recovery", "milestone"]),
                            max_size=40)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import ckrun
 import pytest
 import torch
 from torch.utils.data import DataLoader
-
-import ckrun
 
 
 def test_resume_mid_epoch_yields_the_remaining_batches() -> None:

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from ckrun.errors import StorageFull, StoragePermissionError
 from ckrun.storage import local as local_mod
 from ckrun.storage.local import TEMP_PREFIX, LocalStorage
