@@ -32,7 +32,7 @@ from typing import Any
 from ckrun.errors import ConfigError
 
 #: Keys that are run identity or bookkeeping, not settable from a profile.
-_NOT_PROFILE = {"run", "command", "profile", "options", "sources"}
+_NOT_PROFILE = {"run", "command", "profile", "options", "sources", "cloud"}
 #: Environment variable names that differ from ``CKRUN_<KEY>``.
 _ENV_NAMES = {"storage": "CKRUN_STORAGE_BASE"}
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
@@ -65,6 +65,8 @@ class RunConfig:
         allow_change: compat fields allowed to differ on resume (``--allow-change``).
         notice_sources: cloud notice pollers to run: any of ``aws``, ``gcp``, ``azure``.
         options: the backend's frozen ``Options`` instance.
+        cloud: keys of ``ckrun.cloud.CloudOptions`` set in the profile/env/CLI
+            (``aws_poll_interval_s``, ...), handed to ``ckrun.cloud.build_sources``.
         sources: key -> where its value came from (``cli``, ``env:CKRUN_X``,
             ``profile:local``, ``default``).
     """
@@ -88,6 +90,7 @@ class RunConfig:
     allow_change: tuple[str, ...] = ()
     notice_sources: tuple[str, ...] = ()
     options: Any = None
+    cloud: Mapping[str, Any] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -139,6 +142,7 @@ class RunConfig:
         d["notice_sources"] = list(self.notice_sources)
         d["options"] = dataclasses.asdict(self.options) if self.options is not None else {}
         d["sources"] = dict(self.sources)
+        d["cloud"] = dict(self.cloud)
         d["launch_hash"] = self.launch_hash()
         return d
 
@@ -146,13 +150,15 @@ class RunConfig:
     def from_json(cls, d: Mapping[str, Any]) -> RunConfig:
         """Inverse of :meth:`to_json`. Raises ``ConfigError`` on unknown or bad fields."""
         names = {f.name for f in dataclasses.fields(cls)}
-        body = {k: v for k, v in d.items() if k in names and k not in ("options", "sources")}
+        skip = ("options", "sources", "cloud")
+        body = {k: v for k, v in d.items() if k in names and k not in skip}
         try:
             cfg = cls(**{k: _coerce(k, v, _field_type(k)) for k, v in body.items()})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"run.json is invalid: {e}; fix or delete it") from e
         opts = _build_options(cfg.scheduler, dict(d.get("options") or {}))
-        return dataclasses.replace(cfg, options=opts, sources=dict(d.get("sources") or {}))
+        return dataclasses.replace(cfg, options=opts, sources=dict(d.get("sources") or {}),
+                                   cloud=dict(d.get("cloud") or {}))
 
 
 def parse_signal(name: str | int) -> signal.Signals:
@@ -271,10 +277,28 @@ def _build_options(scheduler: str, values: Mapping[str, Any]) -> Any:
     return cls(**{k: _coerce(k, v, _field_type(k, cls)) for k, v in values.items()})
 
 
+def cloud_keys() -> list[str]:
+    """Profile keys of the cloud notice sources (``ckrun.cloud.CloudOptions``), if present."""
+    try:
+        from ckrun.cloud import CloudOptions
+    except ImportError:
+        return []
+    return [f.name for f in dataclasses.fields(CloudOptions)]
+
+
+def _cloud_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    if not values:
+        return {}
+    from ckrun.cloud import CloudOptions
+
+    return {k: _coerce(k, v, _field_type(k, CloudOptions)) for k, v in values.items()}
+
+
 def _unknown_msg(unknown: list[str], scheduler: str, backend_keys: list[str]) -> str:
+    cloud = f", cloud notices [{', '.join(cloud_keys())}]" if cloud_keys() else ""
     return (
         f"unknown config key(s) {', '.join(unknown)}; valid keys: common "
-        f"[{', '.join(common_keys())}], {scheduler} [{', '.join(backend_keys)}]"
+        f"[{', '.join(common_keys())}], {scheduler} [{', '.join(backend_keys)}]{cloud}"
     )
 
 
@@ -308,7 +332,7 @@ def resolve(
     layers: list[tuple[str, dict[str, Any]]] = [("profile:" + profile, load_profile(profile))]
     scheduler = str(layers[0][1].get("scheduler", RunConfig.scheduler))
     backend_keys = [f.name for f in dataclasses.fields(backend_options_class(scheduler))]
-    known = common_keys() + backend_keys
+    known = common_keys() + backend_keys + cloud_keys()
     unknown = sorted(set(layers[0][1]) - set(known))
     if unknown:
         raise ConfigError(f"profile {profile!r}: " + _unknown_msg(unknown, scheduler, backend_keys))
@@ -332,8 +356,9 @@ def resolve(
         )
     common = {k: _coerce(k, v, _field_type(k)) for k, v in values.items() if k in common_keys()}
     opts = _build_options(scheduler, {k: v for k, v in values.items() if k in backend_keys})
+    cloud = _cloud_values({k: v for k, v in values.items() if k in cloud_keys()})
     cfg = RunConfig(run=run, command=tuple(command), profile=profile, options=opts,
-                    sources=sources, **common)
+                    cloud=cloud, sources=sources, **common)
     _validate(cfg)
     return cfg
 
@@ -359,10 +384,10 @@ def build_notice_sources(cfg: RunConfig) -> list[Any]:
     if not cfg.notice_sources:
         return []
     try:
-        from ckrun import cloud  # type: ignore[attr-defined,unused-ignore]
+        from ckrun import cloud
     except ImportError as e:
         raise ConfigError(
             f"notice_sources {list(cfg.notice_sources)} need ckrun.cloud, which is not "
             "installed in this build; remove notice_sources from the profile"
         ) from e
-    return list(cloud.build_sources(list(cfg.notice_sources), cfg))
+    return list(cloud.build_sources(list(cfg.notice_sources), dict(cfg.cloud)))
