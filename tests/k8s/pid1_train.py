@@ -7,7 +7,8 @@ notice, and finalizes at the last step.
 ``--orphans N``: first leave N daemonized grandchildren behind (double fork + setsid, so
 they are re-parented to PID 1 -- ckrun -- and are outside the child's session); each
 runs ``sleep ORPHAN_S`` under an ``argv[0]`` of ``ckrun-test-orphan`` and then exits,
-so a PID 1 that does not reap would keep their zombies.
+so a PID 1 that does not reap would keep their zombies.  ``--ignore-notice``: never
+checks for a notice (the supervisor must stop it before the kubelet's SIGKILL).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=0.05)
     ap.add_argument("--orphans", type=int, default=0)
     ap.add_argument("--orphan-s", type=float, default=1.0)
+    ap.add_argument("--ignore-notice", action="store_true")
     a = ap.parse_args()
 
     ckpt = ckrun.Checkpointer.from_env(compat={"config": {"steps": a.steps}}, rng=False)
@@ -48,7 +50,7 @@ def main() -> int:
     print(f"resumed {m.step if m else None} pid {os.getpid()}", flush=True)
     leave_orphans(a.orphans, a.orphan_s)
     for step in range(start, a.steps):
-        if ckrun.preemption_requested():
+        if not a.ignore_notice and ckrun.preemption_requested():
             ckpt.save(step, state)
             print(f"saved {step} on notice", flush=True)
             return 75

@@ -28,6 +28,19 @@ HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "pid1_train.py"
 CKRUN = Path(sys.executable).with_name("ckrun")
 GRACE_S = 20  # terminationGracePeriodSeconds of the emulated pod
+MARGIN_S = 12  # grace_margin_s: > the supervisor's kill_delay_s (10 s) + margin_s (2 s)
+
+
+def rendered_env(run: str) -> dict[str, str]:
+    """The literal env of the Job ckrun renders for this pod (Downward API ones skipped)."""
+    from ckrun.scheduler.base import JobSpec
+    from ckrun.scheduler.k8s import K8sScheduler, Options
+
+    spec = JobSpec(run=run, command=("python", "t.py"), storage="pvc:ckpt",
+                   options=Options(image="i", termination_grace_period_s=GRACE_S,
+                                   grace_margin_s=MARGIN_S))
+    (c,) = K8sScheduler().manifest(spec)["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in c["env"] if "value" in e}
 
 
 def _unshare_works() -> bool:
@@ -96,9 +109,9 @@ class Pod:
                    KUBERNETES_SERVICE_HOST="10.96.0.1", HOSTNAME=f"{run}-0",
                    JOB_COMPLETION_INDEX="0", CKRUN_K8S_JOB_NAME=run,
                    CKRUN_K8S_NAMESPACE="default", CKRUN_K8S_POD_NAME=f"{run}-0-abcde",
-                   CKRUN_K8S_FAILURE_COUNT="", CKRUN_K8S_IGNORED_FAILURE_COUNT=str(attempt) or "",
-                   CKRUN_K8S_TERMINATION_GRACE_S=str(GRACE_S),
-                   CKRUN_GRACE_S=str(GRACE_S - 5))
+                   CKRUN_K8S_FAILURE_COUNT="",
+                   CKRUN_K8S_IGNORED_FAILURE_COUNT=str(attempt) if attempt else "",
+                   **rendered_env(run))
         for key in ("SLURM_JOB_ID", "CKRUN_STATE_DIR", "CKRUN_STORAGE_BASE"):
             env.pop(key, None)
         self.out = open(self.log, "wb")  # noqa: SIM115 - closed in close()
@@ -138,6 +151,11 @@ def pods() -> Iterator[list[Pod]]:
 def _commits(storage: Path, run: str) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1])
                   for p in (storage / run / "checkpoints").glob("step-*/manifest.json"))
+
+
+def test_pod_env_is_the_rendered_one() -> None:
+    assert rendered_env("x") == {"CKRUN_K8S_TERMINATION_GRACE_S": str(GRACE_S),
+                                 "CKRUN_GRACE_S": str(GRACE_S - MARGIN_S)}
 
 
 def test_ckrun_is_pid_1(tmp_path: Path, pods: list[Pod]) -> None:
@@ -208,3 +226,19 @@ def test_requeue_cycle_resumes_in_a_new_pod(tmp_path: Path, pods: list[Pod]) -> 
     assert second.wait(120) == 0, second.text()
     assert re.search(rf"resumed {saved}\b", second.text()), second.text()
     assert (second.storage / "cycle" / "COMPLETE.json").exists()
+
+
+@pytest.mark.slow
+def test_a_trainer_that_ignores_the_notice_is_stopped_before_sigkill(
+        tmp_path: Path, pods: list[Pod]) -> None:
+    """No save: TERM at the drain deadline, exit 76 before terminationGracePeriodSeconds."""
+    pod = Pod(tmp_path, "deaf", ["--ignore-notice"])
+    pods.append(pod)
+    pod.wait_for(r"step 5\b")
+    t0 = time.monotonic()
+    os.kill(pod.init, signal.SIGTERM)
+    rc = pod.wait(GRACE_S + 10)
+    elapsed = time.monotonic() - t0
+    assert rc == 76, pod.text()
+    assert GRACE_S - MARGIN_S - 3 < elapsed < GRACE_S, elapsed
+    assert _commits(pod.storage, "deaf") == []
