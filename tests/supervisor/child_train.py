@@ -5,7 +5,7 @@ deterministically, checks :func:`ckrun.preemption_requested` at every step bound
 saves and exits 75 on a notice, and finalizes at the last step.
 
 Arguments: ``--steps N`` (total), ``--step-s S`` (seconds per step), ``--save-every K``,
-``--ignore-notice`` (never reacts: tests the TERM/KILL escalation), ``--workers W``
+``--ignore-notice`` (never checks the flag and ignores SIGTERM: tests the KILL), ``--workers W``
 (a torch DataLoader with W worker processes feeds the steps), ``--crash-at STEP``
 (exit 1 at that step in attempt 0 only).  Prints one ``step N`` line per step.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -32,6 +33,8 @@ def main() -> int:
     a = ap.parse_args()
 
     ckpt = ckrun.Checkpointer.from_env(compat={"config": {"steps": a.steps}}, rng=False)
+    if a.ignore_notice:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     state = {"w": torch.zeros(4, dtype=torch.float64), "step": 0}
     m = ckpt.load(state)
     start = int(state["step"]) if m is not None else 0
@@ -49,8 +52,9 @@ def main() -> int:
         if step == a.crash_at and os.environ.get("CKRUN_ATTEMPT") == "0":
             print(f"crash at {step}", flush=True)
             return 1
-        x = float(next(loader)[0]) if loader is not None else float(step)
-        state["w"] = state["w"] * 0.5 + x
+        if loader is not None:
+            next(loader)  # the workers must survive signals to the process group
+        state["w"] = state["w"] * 0.5 + float(step)
         state["step"] = step + 1
         print(f"step {step + 1}", flush=True)
         time.sleep(a.step_s)
