@@ -12,6 +12,11 @@ ahead, so the yielded count runs ahead of the batches the model consumed: call
 :meth:`ResumableSampler.set_position` with the samples actually consumed (or use
 ``torchdata.stateful_dataloader.StatefulDataLoader``, whose state dict can be put in the
 ckrun state under any key) before saving.  With ``num_workers=0`` no fix is needed.
+
+Exact resume also needs ``DataLoader(..., generator=torch.Generator())``: every new
+DataLoader iterator draws a base seed from its generator, by default the global torch
+RNG, and a resumed process creates its iterator mid-epoch where the uninterrupted run
+did not, so the global RNG stream (dropout, ...) would shift by one draw.
 """
 
 from __future__ import annotations
