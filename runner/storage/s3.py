@@ -285,6 +285,15 @@ class S3Storage:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
+    def crc32c(self, key: str) -> int | None:
+        """The object's full CRC32C as S3 (or ckrun's metadata) records it; None if unknown.
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+        """
+        r = self.call("head_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
+        return self._expected_crc(r)
+
     def local_path(self, key: str) -> str | None:
         """Always None: S3 objects have no POSIX path."""
         return None

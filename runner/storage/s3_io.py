@@ -51,13 +51,15 @@ def b64crc(value: int) -> str:
 class RateLimiter:
     """A token bucket shared by all uploads of one storage: at most ``bytes_per_s``.
 
-    ``bytes_per_s <= 0`` disables the cap.  Burst: one second's worth.
+    ``bytes_per_s <= 0`` disables the cap.  Burst: a quarter second's worth.
     """
+
+    BURST_S = 0.25
 
     def __init__(self, bytes_per_s: int) -> None:
         self.rate = float(bytes_per_s)
         self._lock = threading.Lock()
-        self._tokens = self.rate
+        self._tokens = self.rate * self.BURST_S
         self._t = time.monotonic()
 
     def acquire(self, n: int) -> None:
@@ -66,7 +68,7 @@ class RateLimiter:
             return
         with self._lock:
             now = time.monotonic()
-            self._tokens = min(self.rate, self._tokens + (now - self._t) * self.rate)
+            self._tokens = min(self.rate * self.BURST_S, self._tokens + (now - self._t) * self.rate)
             self._t = now
             self._tokens -= n
             wait = -self._tokens / self.rate if self._tokens < 0 else 0.0

@@ -13,6 +13,7 @@ over real HTTP, so botocore's own retry logic is what gets tested, not a mock.
 from __future__ import annotations
 
 import http.client
+import logging
 import os
 import threading
 import uuid
@@ -60,6 +61,7 @@ class MotoS3:
 
 @pytest.fixture(scope="session")
 def moto_s3() -> Iterator[MotoS3]:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     with pytest.MonkeyPatch.context() as mp:
         for k, v in _CREDS.items():
             mp.setenv(k, v)

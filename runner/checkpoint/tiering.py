@@ -1,0 +1,427 @@
+"""Two-tier checkpoints: commit to the local tier, upload in the background (issue 5).
+
+:class:`TieredStorage` is a :class:`~ckrun.storage.base.Storage` over a fast *local*
+tier (the VM's disk) and a durable *remote* tier (S3).  Give it to the Checkpointer as
+its storage and the commit protocol runs unchanged on the local tier (fast commit); each
+local commit of a manifest that the :class:`UploadPolicy` selects queues an upload that
+
+1. copies the manifest's shards local → remote, hashing every byte read (CRC32C) and
+   refusing a shard whose bytes no longer match the manifest; S3 checks the same CRC32C
+   on receipt (:mod:`ckrun.storage.s3_io`);
+2. writes the remote manifest last, with ``If-None-Match: *`` (the remote commit);
+3. only then applies retention to the remote tier, never to the checkpoint just
+   committed nor the one the run resumed from.
+
+Reads fall through local → remote and listings are the union of both tiers, so a fresh
+machine (empty local tier) discovers and resumes the newest remote checkpoint, streaming
+it with CRC32C verification.  ``COMPLETE.json`` is uploaded after every queued upload, so
+the remote marker never runs ahead of the final artifact.  Deletes act on the local tier
+only; the remote tier has its own retention (step 3).
+
+Deadline-sized emergency uploads: while a notice is pending (``notice.json``), the
+selected checkpoint is always the emergency one; its expected upload time (bytes over the
+measured upload throughput) is compared with the seconds left before the deadline minus
+``margin_s``.  If it cannot finish, the upload is not started (the local commit stands and
+the previous remote checkpoint is untouched); this is logged and recorded in
+``events.jsonl`` as ``upload_skipped``.  At interpreter exit the queue is drained up to
+that deadline (or fully when there is no notice).
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import IO, Any
+
+import crc32c
+from ckrun.checkpoint.manifest import Manifest, ShardInfo
+
+from .. import control
+from ..errors import ConfigError, CorruptCheckpoint, ObjectExists, ObjectNotFound, StorageError
+from ..storage.base import ObjectInfo, ObjectWriter, Storage
+from . import layout, retention
+from .discovery import scan
+
+log = logging.getLogger(__name__)
+CHUNK = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class UploadPolicy:
+    """Which committed checkpoints go to the remote tier.
+
+    Final artifacts and emergency checkpoints (a notice is pending) always do.
+
+    Attributes:
+        mode: ``every`` | ``milestones`` | ``every_n`` | ``emergency`` (only those).
+        every_n: for ``every_n``: the 1st, (n+1)th, ... recovery checkpoint.
+    """
+
+    mode: str = "every"
+    every_n: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> UploadPolicy:
+        """``every``, ``milestones``, ``emergency`` or ``every:N`` (profile ``upload_policy``).
+
+        Raises:
+            ConfigError: any other value.
+        """
+        t = text.strip().lower()
+        if t in ("every", "milestones", "emergency"):
+            return cls(t)
+        name, _, n = t.partition(":")
+        if name == "every" and n.isdigit() and int(n) >= 1:
+            return cls("every_n", int(n))
+        raise ConfigError(f"upload_policy={text!r}: use every, milestones, emergency or every:N")
+
+    def selects(self, m: Manifest, *, emergency: bool, ordinal: int) -> bool:
+        """Whether ``m`` (the ``ordinal``-th commit seen, from 0) is uploaded."""
+        if emergency or m.kind == "final" or self.mode == "every":
+            return True
+        if self.mode == "milestones":
+            return bool(m.kind == "milestone")
+        if self.mode == "every_n":
+            return ordinal % self.every_n == 0
+        return False
+
+
+class _HookedWriter:
+    """A local writer that calls ``on_commit`` after a successful commit."""
+
+    def __init__(self, inner: ObjectWriter, on_commit: Any) -> None:
+        self.key = inner.key
+        self._inner, self._on_commit = inner, on_commit
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        return self._inner.write(data)
+
+    def commit(self) -> ObjectInfo:
+        info = self._inner.commit()
+        self._on_commit(self.key)
+        return info
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def __enter__(self) -> _HookedWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class TieredStorage:
+    """Local tier first, remote tier in the background (see the module docstring).
+
+    Args:
+        local: the fast tier (a :class:`~ckrun.storage.local.LocalStorage`).
+        remote: the durable tier (an :class:`~ckrun.storage.s3.S3Storage`).
+        policy: which commits are uploaded.
+        keep_last, milestone_every: remote retention (same meaning as the Checkpointer's).
+        margin_s: seconds kept free before a notice deadline.
+        events_path: ``events.jsonl`` to record uploads in; default: next to
+            ``CKRUN_CONTROL_DIR`` when supervised, else none.
+
+    Attributes:
+        stats: ``uploads``, ``skipped``, ``failed``, ``bytes``, ``upload_bps`` (measured
+            EWMA, bytes/s, None until the first upload), ``last_upload_s``.
+    """
+
+    def __init__(
+        self,
+        local: Storage,
+        remote: Storage,
+        *,
+        policy: UploadPolicy | None = None,
+        keep_last: int = 3,
+        milestone_every: int | None = None,
+        margin_s: float = 5.0,
+        events_path: str | None = None,
+    ) -> None:
+        self.local, self.remote = local, remote
+        self.url = remote.url
+        self.policy = policy or UploadPolicy()
+        self.keep_last, self.milestone_every, self.margin_s = keep_last, milestone_every, margin_s
+        self.stats: dict[str, Any] = {
+            "uploads": 0,
+            "skipped": 0,
+            "failed": 0,
+            "bytes": 0,
+            "upload_bps": None,
+            "last_upload_s": None,
+        }
+        self._events_path = events_path or _default_events_path()
+        self._ordinal = 0
+        self._jobs: deque[tuple[str, Any]] = deque()
+        self._busy = 0
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"TieredStorage(local={self.local.url!r}, remote={self.remote.url!r})"
+
+    # -- Storage protocol: writes go to the local tier --------------------------------
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
+        info = self.local.put(key, data, if_absent=if_absent)
+        self._committed(key)
+        return info
+
+    def put_file(self, key: str, path: str) -> ObjectInfo:
+        info = self.local.put_file(key, path)
+        self._committed(key)
+        return info
+
+    def open_write(self, key: str) -> ObjectWriter:
+        return _HookedWriter(self.local.open_write(key), self._committed)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete from the local tier only (the remote tier has its own retention)."""
+        self.local.delete(keys)
+
+    def local_path(self, key: str) -> str | None:
+        return self.local.local_path(key)
+
+    def sweep_temp(self, prefix: str = "", min_age_s: float = 900.0) -> builtins.list[str]:
+        """The local tier's temp-file sweep (used by retention), when it has one."""
+        fn = getattr(self.local, "sweep_temp", None)
+        return list(fn(prefix, min_age_s)) if callable(fn) else []
+
+    # -- reads: local, then remote ----------------------------------------------------
+    def get(self, key: str) -> bytes:
+        try:
+            return self.local.get(key)
+        except ObjectNotFound:
+            return self.remote.get(key)
+
+    def get_file(self, key: str, path: str) -> None:
+        tier = self.local if self.local.head(key) is not None else self.remote
+        tier.get_file(key, path)
+
+    def open_read(self, key: str) -> IO[bytes]:
+        tier = self.local if self.local.head(key) is not None else self.remote
+        return tier.open_read(key)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self.local.head(key) or self.remote.head(key)
+
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
+        merged = {i.key: i for i in self.remote.list(prefix)}
+        merged.update({i.key: i for i in self.local.list(prefix)})
+        return [merged[k] for k in sorted(merged)]
+
+    # -- upload queue -----------------------------------------------------------------
+    def _committed(self, key: str) -> None:
+        """Hook after a local write: queue what the remote tier needs."""
+        if key == layout.COMPLETE:
+            return self._enqueue("marker", key)
+        p = layout.parse(key)
+        if p is None or not p.is_manifest:
+            return None
+        m = Manifest.loads(self.local.get(key), key=key)
+        emergency = control.preemption_requested()
+        ordinal = self._ordinal
+        if m.kind != "final":
+            self._ordinal += 1
+        if not self.policy.selects(m, emergency=emergency, ordinal=ordinal):
+            log.info(
+                "step %d committed locally; not uploaded (upload_policy %s)",
+                m.step,
+                self.policy.mode,
+            )
+            return None
+        if emergency and not self._fits_deadline(m):
+            return None
+        if emergency:
+            with self._cv:  # a newer checkpoint supersedes queued, unstarted uploads
+                self._jobs = deque(j for j in self._jobs if j[0] != "checkpoint")
+        return self._enqueue("checkpoint", m)
+
+    def _fits_deadline(self, m: Manifest) -> bool:
+        notice = control.read_notice()
+        bps = self.stats["upload_bps"]
+        if notice is None or not bps:
+            return True
+        left = notice.seconds_left() - self.margin_s
+        expected = m.total_size_bytes / bps
+        if expected <= left:
+            return True
+        self.stats["skipped"] += 1
+        msg = (
+            f"emergency checkpoint step {m.step} committed to the local tier only: its "
+            f"upload needs ~{expected:.1f} s at {bps / 1e6:.1f} MB/s and {left:.1f} s are "
+            "left before the deadline; the previous remote checkpoint stands"
+        )
+        log.warning("[ckrun] %s", msg)
+        self._event("upload_skipped", m.step, expected, seconds_left=round(left, 3), message=msg)
+        return False
+
+    def _enqueue(self, kind: str, item: Any) -> None:
+        with self._cv:
+            self._jobs.append((kind, item))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="ckrun-upload", daemon=True)
+                self._thread.start()
+                atexit.register(self._drain_at_exit)
+            self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                kind, item = self._jobs.popleft()
+                self._busy += 1
+            try:
+                if kind == "checkpoint":
+                    self.upload(item)
+                else:
+                    self.remote.put(item, self.local.get(item))
+            except Exception as e:  # logged and counted; the local commit stands
+                self.stats["failed"] += 1
+                step = item.step if isinstance(item, Manifest) else None
+                log.error(
+                    "[ckrun] upload of %s to %s failed: %s",
+                    getattr(item, "key", item),
+                    self.remote.url,
+                    e,
+                )
+                self._event("upload_failed", step, None, error=str(e))
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued upload finished; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while self._jobs or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(timeout=left)
+        return True
+
+    def _drain_at_exit(self) -> None:
+        notice = control.read_notice()
+        timeout = None if notice is None else max(0.0, notice.seconds_left() - self.margin_s)
+        if not self.flush(timeout):
+            log.warning(
+                "[ckrun] exiting with uploads unfinished (deadline); the remote tier "
+                "keeps its previous checkpoint"
+            )
+
+    # -- one upload ---------------------------------------------------------------------
+    def upload(self, m: Manifest) -> None:
+        """Copy ``m``'s shards, then its manifest, then apply remote retention.
+
+        Raises:
+            CorruptCheckpoint: a local shard no longer matches the manifest's CRC32C.
+            StorageError: the remote tier failed (nothing is committed remotely).
+        """
+        t0 = time.monotonic()
+        nbytes = sum(self._copy_shard(s) for s in m.shards)
+        body = self.local.get(m.key)
+        try:
+            self.remote.put(m.key, body, if_absent=True)
+        except ObjectExists:
+            if self.remote.get(m.key) != body:
+                log.warning("remote %s was committed by another attempt; kept as is", m.key)
+        dt = max(time.monotonic() - t0, 1e-6)
+        if nbytes:
+            bps = nbytes / dt
+            old = self.stats["upload_bps"]
+            self.stats["upload_bps"] = bps if old is None else 0.5 * old + 0.5 * bps
+        self.stats.update(
+            uploads=self.stats["uploads"] + 1, last_upload_s=dt, bytes=self.stats["bytes"] + nbytes
+        )
+        log.info(
+            "[ckrun] step %d committed to %s (%d bytes in %.2f s)",
+            m.step,
+            self.remote.url,
+            nbytes,
+            dt,
+        )
+        self._event("uploaded", m.step, dt, bytes=nbytes, remote=self.remote.url)
+        self._retain_remote(m)
+
+    def _copy_shard(self, s: ShardInfo) -> int:
+        """Upload one shard unless the remote tier has it; returns bytes sent."""
+        have = self.remote.head(s.key)
+        crc_of = getattr(self.remote, "crc32c", None)
+        if (
+            have is not None
+            and have.size_bytes == s.size_bytes
+            and callable(crc_of)
+            and f"crc32c:{crc_of(s.key):08x}" == s.checksum
+        ):
+            return 0
+        crc, n = 0, 0
+        with self.local.open_read(s.key) as src, self.remote.open_write(s.key) as w:
+            while chunk := src.read(CHUNK):
+                crc = crc32c.crc32c(chunk, crc)
+                n += len(chunk)
+                w.write(chunk)
+            if n != s.size_bytes or f"crc32c:{crc:08x}" != s.checksum:
+                raise CorruptCheckpoint(
+                    f"local shard {s.key} changed since its commit ({n} bytes, "
+                    f"crc32c:{crc:08x}; manifest {s.size_bytes} bytes, {s.checksum}): not "
+                    "uploaded",
+                    key=s.key,
+                )
+        return n
+
+    def _retain_remote(self, m: Manifest) -> None:
+        try:
+            sc = scan(self.remote)
+            broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
+            protect = {m.step} | ({m.resumed_from} if m.resumed_from is not None else set())
+            plan = retention.plan(
+                self.remote,
+                sc.manifests,
+                keep_last=self.keep_last,
+                milestone_every=self.milestone_every,
+                protect=protect,
+                broken_steps=broken,
+            )
+            retention.apply(self.remote, plan)
+        except StorageError as e:
+            log.warning("remote retention after step %d failed (retried next time): %s", m.step, e)
+
+    def _event(self, kind: str, step: int | None, seconds: float | None, **fields: Any) -> None:
+        if not self._events_path:
+            return
+        from ckrun.events import EventLog
+
+        try:
+            EventLog(
+                self._events_path,
+                os.environ.get("CKRUN_RUN", ""),
+                int(os.environ.get("CKRUN_ATTEMPT", "0") or 0),
+            ).append(kind, step=step, seconds=seconds, **fields)
+        except (OSError, ValueError) as e:
+            log.warning("cannot record %s in %s: %s", kind, self._events_path, e)
+
+
+def _default_events_path() -> str | None:
+    cdir = control.control_dir()
+    return os.path.join(os.path.dirname(cdir.rstrip("/")), "events.jsonl") if cdir else None
+
+
+def open_tiered(remote_url: str, local_dir: str, **kw: Any) -> TieredStorage:
+    """``TieredStorage(LocalStorage(local_dir), open_storage(remote_url), **kw)``."""
+    from ckrun.storage import open_storage
+    from ckrun.storage.local import LocalStorage
+
+    return TieredStorage(LocalStorage(local_dir), open_storage(remote_url), **kw)

@@ -1,0 +1,191 @@
+# ruff: noqa: F811  (pytest fixtures imported from s3_server.py are re-bound as parameters)
+"""Two-tier checkpoints (local commit, background upload to S3 on moto) with the real
+Checkpointer; the deadline decision uses upload throughput measured on a bandwidth-capped
+S3 storage, not an injected number."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ckrun
+import pytest
+import torch
+from ckrun import control
+from ckrun.checkpoint import layout
+from ckrun.checkpoint.tiering import TieredStorage, UploadPolicy
+from ckrun.errors import ConfigError
+from ckrun.notices import PREEMPTION, Notice
+from ckrun.storage.local import LocalStorage
+from s3_server import MotoS3, moto_s3  # noqa: F401
+
+pytestmark = pytest.mark.s3
+
+
+def make_state(seed: int = 0, width: int = 8) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(width, width)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def train_step(state: dict) -> None:
+    x = torch.randn(4, state["model"].in_features)
+    loss = state["model"](x).pow(2).mean()
+    state["optimizer"].zero_grad()
+    loss.backward()
+    state["optimizer"].step()
+
+
+def steps_in(st, area: str = "checkpoints/") -> list[int]:
+    return sorted(p.step for i in st.list(area) if (p := layout.parse(i.key)) and p.is_manifest)
+
+
+@pytest.fixture(autouse=True)
+def _no_notice(monkeypatch, tmp_path):
+    control.reset_for_tests()
+    monkeypatch.setenv("CKRUN_CONTROL_DIR", str(tmp_path / "state" / "control"))
+    yield
+    control.reset_for_tests()
+
+
+def tiered(moto_s3: MotoS3, tmp_path: Path, bucket: str, **kw) -> TieredStorage:
+    opts = {k: kw.pop(k) for k in list(kw) if k.startswith("s3_")}
+    remote = moto_s3.storage(f"s3://{bucket}/runs/r1", **opts)
+    return TieredStorage(LocalStorage(str(tmp_path / "local")), remote, **kw)
+
+
+def test_commit_local_upload_remote_manifest_last_retention(moto_s3, tmp_path) -> None:
+    t = tiered(moto_s3, tmp_path, moto_s3.new_bucket(), keep_last=2)
+    state = make_state()
+    with ckrun.Checkpointer(t, keep_last=2, rng=False) as ck:
+        for step in range(1, 6):
+            train_step(state)
+            ck.save(step, state)
+    assert t.flush(30)
+    assert steps_in(t.local) == [4, 5]
+    assert steps_in(t.remote) == [4, 5]
+    for step in (4, 5):
+        key = layout.manifest_key(step)
+        assert t.remote.get(key) == t.local.get(key)
+        m = ckrun.Manifest.loads(t.remote.get(key), key=key)
+        for s in m.shards:  # S3's full-object CRC32C equals the manifest's
+            assert f"crc32c:{t.remote.crc32c(s.key):08x}" == s.checksum
+    assert t.stats["uploads"] == 5 and t.stats["failed"] == 0 and t.stats["upload_bps"]
+
+
+def test_fresh_machine_resumes_from_remote(moto_s3, tmp_path) -> None:
+    bucket = moto_s3.new_bucket()
+    state = make_state(seed=1)
+    t = tiered(moto_s3, tmp_path / "vm1", bucket)
+    with ckrun.Checkpointer(t, rng=False) as ck:
+        for step in range(1, 4):
+            train_step(state)
+            ck.save(step, state)
+    assert t.flush(30)
+    fresh = tiered(moto_s3, tmp_path / "vm2", bucket)  # empty local tier
+    assert fresh.local.list() == []
+    other = make_state(seed=99)
+    with ckrun.Checkpointer(fresh, rng=False) as ck2:
+        m = ck2.load(other)
+    assert m is not None and m.step == 3
+    for a, b in zip(state["model"].parameters(), other["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_policy_milestones_and_final_marker_last(moto_s3, tmp_path) -> None:
+    t = tiered(moto_s3, tmp_path, moto_s3.new_bucket(), policy=UploadPolicy.parse("milestones"),
+               keep_last=10)
+    state = make_state()
+    with ckrun.Checkpointer(t, keep_last=10, milestone_every=3, rng=False) as ck:
+        for step in range(1, 7):
+            ck.save(step, state)
+        ck.finalize(7, state)
+    assert t.flush(30)
+    assert steps_in(t.local) == [1, 2, 3, 4, 5, 6]
+    assert steps_in(t.remote) == [3, 6]
+    assert steps_in(t.remote, "final/") == [7]
+    assert t.remote.head(layout.COMPLETE) is not None
+
+
+def test_policy_parse() -> None:
+    assert UploadPolicy.parse("every:3") == UploadPolicy("every_n", 3)
+    assert UploadPolicy("every_n", 3).selects(
+        ckrun.Manifest.__new__(ckrun.Manifest), emergency=True, ordinal=1)
+    with pytest.raises(ConfigError, match="every:N"):
+        UploadPolicy.parse("sometimes")
+
+
+def test_local_corruption_is_not_uploaded(moto_s3, tmp_path) -> None:
+    t = tiered(moto_s3, tmp_path, moto_s3.new_bucket(), policy=UploadPolicy("emergency"))
+    state = make_state()
+    with ckrun.Checkpointer(t, rng=False) as ck:
+        m = ck.save(1, state)
+    path = t.local.local_path(m.shards[0].key)
+    with open(path, "r+b") as f:  # bit rot on the local disk after the commit
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(ckrun.CorruptCheckpoint, match="changed since its commit"):
+        t.upload(m)
+    assert t.remote.list() == []  # neither shard nor manifest
+
+
+def _notice_in(seconds: float) -> None:
+    cdir = control.control_dir()
+    assert cdir
+    control.write_notice(cdir, Notice.with_lead(PREEMPTION, "aws", seconds))
+
+
+def test_emergency_upload_that_cannot_finish_is_not_started(moto_s3, tmp_path) -> None:
+    t = tiered(moto_s3, tmp_path, moto_s3.new_bucket(), s3_bandwidth_bytes_per_s=8 << 20,
+               margin_s=0.5)
+    small, big = make_state(width=1024), make_state(width=4096)  # ~4 MB, ~64 MB
+    with ckrun.Checkpointer(t, rng=False) as ck:
+        ck.save(1, small)
+        assert t.flush(30)
+        ck.save(2, small)  # a second upload: throughput measured under the 8 MiB/s cap
+        assert t.flush(30)
+        bps = t.stats["upload_bps"]
+        assert bps < 12 << 20
+        _notice_in(3.0)  # 64 MB at ~8 MiB/s needs ~8 s: cannot finish
+        ck.save(3, big)
+    assert t.flush(30)
+    assert steps_in(t.local)[-1] == 3  # committed locally
+    assert steps_in(t.remote) == [1, 2]  # remote keeps the previous checkpoint
+    assert t.stats["skipped"] == 1
+    events = [json.loads(x) for x in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    skipped = [e for e in events if e["kind"] == "upload_skipped"]
+    assert skipped and skipped[0]["step"] == 3 and "local tier only" in skipped[0]["message"]
+
+
+_CHILD = textwrap.dedent("""
+    import sys, torch, ckrun
+    from ckrun.checkpoint.tiering import TieredStorage, UploadPolicy
+    from ckrun.storage.local import LocalStorage
+    from ckrun.storage.s3 import S3Storage
+    t = TieredStorage(LocalStorage(sys.argv[1]), S3Storage.from_url(sys.argv[2]),
+                      policy=UploadPolicy("emergency"))
+    torch.manual_seed(0)
+    m = torch.nn.Linear(512, 512)
+    ck = ckrun.Checkpointer(t, rng=False)
+    ck.save(1, {"model": m})          # not uploaded: policy emergency, no notice
+    ckrun.control._flag.set()         # as the notice signal handler would
+    ck.save(2, {"model": m})          # the emergency checkpoint: upload queued
+    sys.exit(75)                      # atexit drains the upload before the exit
+""")
+
+
+def test_child_exit_waits_for_emergency_upload(moto_s3, tmp_path) -> None:
+    bucket = moto_s3.new_bucket()
+    url = f"s3://{bucket}/runs/child"
+    env = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path / "ctl"))
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "local"), url], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 75, r.stderr
+    remote = moto_s3.storage(url)
+    assert steps_in(remote) == [2]
