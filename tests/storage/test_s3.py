@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from s3_server.py are re-bound as parameters)
 """S3Storage against moto's S3 server on 127.0.0.1 (real HTTP; see s3_server.py)."""
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import pytest
 from ckrun.errors import ObjectExists, ObjectNotFound, StorageError, StoragePermissionError
 from ckrun.storage import open_storage
 from ckrun.storage.s3 import MiB, S3Options, S3Storage, parse_s3_url
-from s3_server import FaultProxy, MotoS3, fault_proxy, moto_s3, s3_storage  # noqa: F401
+from s3_server import FaultProxy, MotoS3
 
 pytestmark = pytest.mark.s3
 

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from s3_server.py are re-bound as parameters)
 """Two-tier checkpoints (local commit, background upload to S3 on moto) with the real
 Checkpointer; the deadline decision uses upload throughput measured on a bandwidth-capped
 S3 storage, not an injected number."""
@@ -21,7 +20,7 @@ from ckrun.checkpoint.tiering import TieredStorage, UploadPolicy
 from ckrun.errors import ConfigError
 from ckrun.notices import PREEMPTION, Notice
 from ckrun.storage.local import LocalStorage
-from s3_server import MotoS3, moto_s3  # noqa: F401
+from s3_server import MotoS3
 
 pytestmark = pytest.mark.s3
 
