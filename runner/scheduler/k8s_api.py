@@ -71,7 +71,6 @@ class ApiHandle:
         self.client: Any = client.ApiClient(cfg)
         self.batch: Any = client.BatchV1Api(self.client)
         self.core: Any = client.CoreV1Api(self.client)
-        self.models: Any = client
         import urllib3
 
         #: what a failed call raises: API errors (``.status``) and transport errors.
@@ -130,9 +129,8 @@ def create_job(api: ApiHandle, doc: dict[str, Any]) -> str:
             or start over), 401/403 (RBAC), unreachable server, or any other API error.
     """
     ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
-    body = api.models.V1Job.from_dict(doc)
-    try:
-        api.batch.create_namespaced_job(ns, body, _request_timeout=REQUEST_TIMEOUT_S)
+    try:  # a plain dict: every client version serializes it as it is
+        api.batch.create_namespaced_job(ns, doc, _request_timeout=REQUEST_TIMEOUT_S)
     except api.errors as exc:
         if _is_status(exc, 409):
             raise SchedulerError(
