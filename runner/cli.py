@@ -43,7 +43,43 @@ def _cli_values(**kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None and v != ()}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+#: Commands written elsewhere: name -> (module, attribute).  Imported only when the
+#: command is invoked or help is listed, so ``ckrun run`` does not pay for them; a
+#: module that is not installed yet simply leaves its command out.
+#: ``check-resume`` goes here too.
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "ls": ("ckrun.cli_checkpoint", "ls"),
+    "verify": ("ckrun.cli_checkpoint", "verify"),
+    "check-resume": ("ckrun.cli_check_resume", "check_resume"),
+}
+
+
+def _lazy(name: str) -> click.Command | None:
+    module, attr = LAZY_COMMANDS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        if e.name != module:
+            raise
+        return None
+    cmd = getattr(mod, attr, None)
+    return cmd if isinstance(cmd, click.Command) else None
+
+
+class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = set(super().list_commands(ctx))
+        names.update(n for n in LAZY_COMMANDS if self.get_command(ctx, n) is not None)
+        return sorted(names)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        cmd = super().get_command(ctx, cmd_name)
+        if cmd is None and cmd_name in LAZY_COMMANDS:
+            cmd = _lazy(cmd_name)
+        return cmd
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckrun", prog_name="ckrun")
 def main_group() -> None:
     """ckrun: keep long ML training runs alive on preemptible capacity."""
@@ -161,31 +197,6 @@ def config_cmd(profile: str, as_json: bool) -> int:
     for k, v in body.items():
         click.echo(f"{k:<{width}}  {v!s:<24} {cfg.sources.get(k, 'default')}")
     return 0
-
-
-#: Commands written elsewhere, added when their module is importable:
-#: (module, attribute names).  ``check-resume`` goes here too.
-OPTIONAL_COMMANDS: list[tuple[str, tuple[str, ...]]] = [
-    ("ckrun.cli_checkpoint", ("ls", "verify")),
-    ("ckrun.cli_check_resume", ("check_resume",)),
-]
-
-
-def _add_optional_commands() -> None:
-    for module, names in OPTIONAL_COMMANDS:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            if e.name != module:
-                raise
-            continue
-        for attr in names:
-            cmd = getattr(mod, attr, None)
-            if isinstance(cmd, click.Command):
-                main_group.add_command(cmd)
-
-
-_add_optional_commands()
 
 
 def main(argv: list[str] | None = None) -> None:

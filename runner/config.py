@@ -234,12 +234,15 @@ def load_profile(name: str) -> dict[str, Any]:
     import yaml
 
     root = importlib.resources.files("ckrun.profiles")
-    shipped = sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
-    res = root / f"{name}.yaml"
-    if not res.is_file():
-        raise ConfigError(f"unknown profile {name!r}; shipped profiles: {', '.join(shipped)}")
     try:
-        body = yaml.safe_load(res.read_text(encoding="utf-8"))
+        text = (root / f"{name}.yaml").read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        shipped = sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+        raise ConfigError(
+            f"unknown profile {name!r}; shipped profiles: {', '.join(shipped)}") from None
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        body = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except yaml.YAMLError as e:
         raise ConfigError(f"profile {name!r} is not valid YAML: {e}") from e
     if body is None:

@@ -7,9 +7,12 @@ Kinds written by the supervisor: ``attempt_start``, ``child_exit``, ``notice``,
 ``completed``, ``already_complete``, ``incompatible``, ``failed``, ``cancelled``,
 ``submitted``, ``supervisor_start``, ``supervisor_exit``.
 
-Appends are one ``write(2)`` of a whole line on an ``O_APPEND`` descriptor followed by
-``fsync``, so concurrent writers never interleave within a line and a crash loses at
-most the line being written; :func:`read_events` skips a torn last line.
+Appends are one ``write(2)`` of a whole line on an ``O_APPEND`` descriptor, so
+concurrent writers never interleave within a line; :func:`read_events` skips a torn
+last line.  Lines survive a crash of the process at once (page cache); the outcome
+kinds in :data:`DURABLE` are also ``fsync``-ed so they survive the loss of the machine
+(a spot VM), while routine lines are not, to keep the supervisor's start-up and notice
+path free of disk flushes (about 6 ms each here).
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import os
 from typing import Any
 
 from ckrun.notices import iso_utc, utcnow
+
+#: Event kinds flushed to disk (fsync) when appended.
+DURABLE = frozenset({"attempt_end", "preempted", "requeue", "completed", "failed",
+                     "cancelled", "incompatible", "already_complete", "requeue_failed",
+                     "submitted", "supervisor_exit"})
 
 
 class EventLog:
@@ -44,7 +52,7 @@ class EventLog:
         seconds: float | None = None,
         **fields: Any,
     ) -> dict[str, Any]:
-        """Append one event durably and return it.
+        """Append one event (fsync-ed when its kind is in :data:`DURABLE`) and return it.
 
         Raises:
             OSError: when the state directory cannot be written.
@@ -64,7 +72,8 @@ class EventLog:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)
-            os.fsync(fd)
+            if kind in DURABLE:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return body

@@ -34,8 +34,13 @@ PREEMPT_REQUEST = "preempt-request.json"
 CANCEL_REQUEST = "cancel-request.json"
 
 
-def write_json_atomic(path: str, body: dict[str, Any]) -> None:
-    """Write ``body`` to ``path`` via a temp file, fsync and ``os.replace``."""
+def write_json_atomic(path: str, body: dict[str, Any], *, durable: bool = True) -> None:
+    """Write ``body`` to ``path`` via a temp file, (fsync) and ``os.replace``.
+
+    Args:
+        durable: fsync the file before the rename (skip for records that only matter
+            while this process lives, such as the lock holder).
+    """
     d = os.path.dirname(path) or "."
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
@@ -44,7 +49,8 @@ def write_json_atomic(path: str, body: dict[str, Any]) -> None:
             json.dump(body, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -75,7 +81,7 @@ class SupervisorLock:
     def update(self, **fields: Any) -> None:
         """Update the holder record (e.g. ``attempt=3``)."""
         self.holder.update(fields)
-        write_json_atomic(self._rundir.holder_path, self.holder)
+        write_json_atomic(self._rundir.holder_path, self.holder, durable=False)
 
     def release(self) -> None:
         """Remove the holder record and release the lock; idempotent."""
