@@ -96,7 +96,7 @@ class Pod:
     """``ckrun run`` as PID 1 of a new PID namespace, with a pod's environment."""
 
     def __init__(self, tmp: Path, run: str, train_args: list[str], *, attempt: int = 0,
-                 shell: bool = False) -> None:
+                 shell: bool = False, extra_env: dict[str, str] | None = None) -> None:
         self.storage = tmp / "storage"
         self.log = tmp / f"pod-{attempt}.log"
         cmd = [sys.executable, str(TRAIN), *train_args]
@@ -111,7 +111,7 @@ class Pod:
                    CKRUN_K8S_NAMESPACE="default", CKRUN_K8S_POD_NAME=f"{run}-0-abcde",
                    CKRUN_K8S_FAILURE_COUNT="",
                    CKRUN_K8S_IGNORED_FAILURE_COUNT=str(attempt) if attempt else "",
-                   **rendered_env(run))
+                   **rendered_env(run), **(extra_env or {}))
         for key in ("SLURM_JOB_ID", "CKRUN_STATE_DIR", "CKRUN_STORAGE_BASE"):
             env.pop(key, None)
         self.out = open(self.log, "wb")  # noqa: SIM115 - closed in close()
@@ -242,3 +242,24 @@ def test_a_trainer_that_ignores_the_notice_is_stopped_before_sigkill(
     assert rc == 76, pod.text()
     assert GRACE_S - MARGIN_S - 3 < elapsed < GRACE_S, elapsed
     assert _commits(pod.storage, "deaf") == []
+
+
+def test_config_error_exits_3_for_failjob(tmp_path: Path, pods: list[Pod]) -> None:
+    """podFailurePolicy's FailJob rule matches exit 3: a bad value in the pod's env."""
+    pod = Pod(tmp_path, "badcfg", [], extra_env={"CKRUN_MAX_FAILURES": "many"})
+    pods.append(pod)
+    assert pod.wait(60) == 3, pod.text()
+    assert "max_failures" in pod.text()
+
+
+@pytest.mark.slow
+def test_incompatible_checkpoint_exits_4_for_failjob(tmp_path: Path, pods: list[Pod]) -> None:
+    """A replacement pod launched with another command refuses the run's checkpoint: 4."""
+    first = Pod(tmp_path, "compat", ["--steps", "500"])
+    pods.append(first)
+    first.wait_for(r"step 3\b")
+    os.kill(first.init, signal.SIGTERM)
+    assert first.wait(GRACE_S) == 75, first.text()
+    second = Pod(tmp_path, "compat", ["--steps", "501"], attempt=1)
+    pods.append(second)
+    assert second.wait(60) == 4, second.text()
