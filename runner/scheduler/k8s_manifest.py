@@ -13,7 +13,9 @@ import copy
 import hashlib
 import importlib.resources
 import logging
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +214,15 @@ def _resources(opts: Options) -> dict[str, Any]:
     return out
 
 
+def pod_command(command: tuple[str, ...]) -> list[str]:
+    """``command`` for the image: the submitting machine's own interpreter path (what
+    ``ckrun submit train.py`` puts first) becomes ``python``, found on the image's PATH."""
+    argv = list(command)
+    if argv and argv[0] in {sys.executable, os.path.realpath(sys.executable)}:
+        argv[0] = "python"
+    return argv
+
+
 def _container(spec: JobSpec, opts: Options, template: dict[str, Any]) -> dict[str, Any]:
     """Fill the template's ``ckrun`` container for ``spec``."""
     c = copy.deepcopy(template)
@@ -227,7 +238,7 @@ def _container(spec: JobSpec, opts: Options, template: dict[str, Any]) -> dict[s
         storage_arg,
         *args,
         "--",
-        *spec.command,
+        *pod_command(spec.command),
     ]
     c["env"] = _env(spec, opts, base, c.get("env", []))
     if opts.env_from_secret:

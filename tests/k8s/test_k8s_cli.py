@@ -57,10 +57,23 @@ def test_dry_run_without_image_names_the_fix(tmp_path: Path) -> None:
     assert r.returncode == 3 and "--image" in r.stderr, r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="launch._absolute() makes pvc:CLAIM a local path "
-                   "(/cwd/pvc:CLAIM); the k8s render then refuses it")
 def test_dry_run_with_pvc_storage(tmp_path: Path) -> None:
+    """Needs launch to keep ``pvc:CLAIM`` as it is (config.is_local_storage)."""
     r = _dry_run(tmp_path, "--storage", "pvc:ckpt-claim")
     assert r.returncode == 0, r.stderr
     pod = _job(r.stdout)["spec"]["template"]["spec"]
     assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "ckpt-claim"}
+    (c,) = pod["containers"]
+    assert c["command"][4:6] == ["--storage", "/ckrun-storage"]
+
+
+def test_script_form_runs_the_images_python(tmp_path: Path) -> None:
+    """`ckrun submit train.py` puts this machine's interpreter first; the pod uses `python`."""
+    env = dict(os.environ, CKRUN_IMAGE="img:1", CKRUN_STATE_DIR=str(tmp_path / "state"))
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    r = subprocess.run([str(CKRUN), "submit", "--profile", "k8s", "--run", "demo",
+                        "--dry-run", "train.py", "--lr", "3e-4"], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (c,) = _job(r.stdout)["spec"]["template"]["spec"]["containers"]
+    assert c["command"][c["command"].index("--") + 1:] == ["python", "train.py", "--lr", "3e-4"]
