@@ -39,6 +39,16 @@ def _command(args: tuple[str, ...]) -> tuple[str, ...]:
     return (args[0], *rest)
 
 
+def _settings(items: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.UsageError(f"--set {item!r}: expected KEY=VALUE")
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
 def _cli_values(**kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None and v != ()}
 
@@ -103,17 +113,21 @@ _allow_opt = click.option("--allow-change", "allow_change", multiple=True, metav
 @_allow_opt
 @click.option("--chaos-preempt-every", default=None, metavar="DURATION",
               help="Local profile: a drill notice every DURATION of child runtime (20s).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Any profile key, e.g. --set image=IMG --set partition=gpu (repeatable).")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def submit(profile: str, run_name: str | None, storage: str | None, detach: bool,
            dry_run: bool, max_requeues: int | None, max_failures: int | None,
            grace: str | None, allow_change: tuple[str, ...], chaos_preempt_every: str | None,
-           args: tuple[str, ...]) -> int:
-    """Submit a training command: `ckrun submit train.py [ARGS]...` or `-- CMD [ARGS]...`."""
+           settings: tuple[str, ...], args: tuple[str, ...]) -> int:
+    """Submit a training command: `ckrun submit [OPTIONS] train.py [ARGS]...` or
+    `ckrun submit [OPTIONS] -- CMD [ARGS]...` (options go before the command)."""
     from ckrun import launch
 
-    cli = _cli_values(storage=storage, max_requeues=max_requeues, max_failures=max_failures,
-                      grace_s=grace, allow_change=allow_change,
-                      chaos_preempt_every=chaos_preempt_every)
+    cli = _settings(settings)
+    cli.update(_cli_values(storage=storage, max_requeues=max_requeues,
+                           max_failures=max_failures, grace_s=grace,
+                           allow_change=allow_change, chaos_preempt_every=chaos_preempt_every))
     return int(launch.submit(profile, cli, _command(args), run_name, detach=detach,
                              dry_run=dry_run))
 

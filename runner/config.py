@@ -36,6 +36,7 @@ _NOT_PROFILE = {"run", "command", "profile", "options", "sources", "cloud"}
 #: Environment variable names that differ from ``CKRUN_<KEY>``.
 _ENV_NAMES = {"storage": "CKRUN_STORAGE_BASE"}
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")
 _UNIT_S = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}
 
 
@@ -107,7 +108,7 @@ class RunConfig:
         """
         if self.state_dir:
             return os.path.join(self.state_dir, self.run)
-        if "://" in self.storage and not self.storage.startswith("file://"):
+        if not is_local_storage(self.storage):
             raise ConfigError(
                 f"storage {self.storage!r} is remote: set state_dir (a local directory for "
                 "run.json, events and locks) in the profile or with CKRUN_STATE_DIR"
@@ -159,6 +160,11 @@ class RunConfig:
         opts = _build_options(cfg.scheduler, dict(d.get("options") or {}))
         return dataclasses.replace(cfg, options=opts, sources=dict(d.get("sources") or {}),
                                    cloud=dict(d.get("cloud") or {}))
+
+
+def is_local_storage(url: str) -> bool:
+    """True for a local path or ``file://`` URL; False for ``s3://``, ``pvc:CLAIM``, ..."""
+    return url.startswith("file://") or not _SCHEME.match(url)
 
 
 def parse_signal(name: str | int) -> signal.Signals:

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from ckrun.config import RunConfig, build_notice_sources, resolve
+from ckrun.config import RunConfig, build_notice_sources, is_local_storage, resolve
 from ckrun.errors import ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
 from ckrun.notices import iso_utc, utcnow
 from ckrun.rundir import (
@@ -71,7 +71,7 @@ def scheduler_for(backend: str, cfg: RunConfig) -> Scheduler:
 def _absolute(cfg: RunConfig) -> RunConfig:
     """Local storage and state paths made absolute (run.json must not depend on cwd)."""
     st = cfg.storage
-    if "://" not in st or st.startswith("file://"):
+    if is_local_storage(st):
         st = os.path.abspath(st.removeprefix("file://"))
     sd = os.path.abspath(cfg.state_dir) if cfg.state_dir else ""
     return dataclasses.replace(cfg, storage=st, state_dir=sd)
@@ -135,12 +135,15 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
     """``ckrun submit`` (see the module docstring); returns the exit code."""
     name = run_name or default_run_name(command)
     cfg = _absolute(resolve(profile, cli, run=name, command=command))
-    rundir = RunDir(cfg.state_root)
+    local = cfg.scheduler == "local"
+    rundir = _submit_state(cfg)
     sched = scheduler_for(cfg.scheduler, cfg)
     args: list[str] = ["--storage", cfg.storage]
     for f in cfg.allow_change:
         args += ["--allow-change", f]
-    env = {"CKRUN_SUPERVISOR_LOG": rundir.log_path}
+    env = {}
+    if local and rundir is not None:
+        env["CKRUN_SUPERVISOR_LOG"] = rundir.log_path
     if cfg.state_dir:
         env["CKRUN_STATE_DIR"] = cfg.state_dir
     spec = JobSpec(run=name, command=command, storage=cfg.run_root, options=cfg.options,
@@ -151,6 +154,10 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
         print(json.dumps(cfg.to_json(), indent=1, default=str))
         print(sched.render(spec))
         return 0
+    if rundir is None:  # remote storage, no local state dir: the job keeps its own
+        job_id = sched.submit(spec)
+        say(f"run {name}: submitted to {cfg.scheduler} as job {job_id}")
+        return 0
     cfg = reconcile(rundir.load_config(), cfg)
     holder = rundir.live_holder()
     if holder is not None:
@@ -160,7 +167,7 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
         os.unlink(rundir.cancelled_path)
     rundir.freeze(cfg)
     say(f"run {name}: storage {cfg.run_root}, profile {profile}")
-    if cfg.scheduler == "local" and not detach:
+    if local and not detach:
         with rundir.lock(name) as lock:
             return supervise(cfg, rundir, lock, "local")
     job_id = sched.submit(spec)
@@ -170,9 +177,24 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
 
     EventLog(rundir.events_path, name).append("submitted", backend=cfg.scheduler,
                                               job_id=job_id)
-    where = f", log {rundir.log_path}" if cfg.scheduler == "local" else ""
+    where = f", log {rundir.log_path}" if local else ""
     say(f"run {name}: submitted to {cfg.scheduler} as job {job_id}{where}")
     return 0
+
+
+def _submit_state(cfg: RunConfig) -> RunDir | None:
+    """The local state dir of a submission; None for another backend with remote storage
+    and no ``state_dir`` (run.json then lives only where the job runs).
+
+    Raises:
+        ConfigError: local backend with remote storage and no ``state_dir``.
+    """
+    try:
+        return RunDir(cfg.state_root)
+    except ConfigError:
+        if cfg.scheduler == "local":
+            raise
+        return None
 
 
 def run(run_name: str, cli: Mapping[str, Any], command: tuple[str, ...], *,

@@ -78,7 +78,8 @@ class State:
         base_step: newest committed step when the current attempt started (None: none).
         child: a child of the current attempt is alive (not yet reaped).
         notice_at / deadline / kill_at: drain start, TERM-at (before margin), KILL-at.
-        self_term: the supervisor itself got SIGTERM (never restart in place).
+        self_term: the supervisor itself got SIGTERM, or a notice source said this
+            machine goes away (cloud, scheduler): never restart in place.
         interrupted: INT/HUP/QUIT forwarded to the child (it is being stopped by the user).
     """
 
@@ -461,8 +462,9 @@ def _requeued(s: State, ev: Requeued) -> Result:
     if ev.outcome == "restart_here" and not s.self_term:
         s = _r(s, phase=Phase.PREFLIGHT)
         return s, [Log("requeue", "restarting here", {"outcome": ev.outcome}), RunPreflight()]
-    msg = ("the supervisor itself got SIGTERM: not restarting in place; `ckrun run` or "
-           "`ckrun submit` again resumes" if ev.outcome == "restart_here"
+    msg = ("this supervisor or machine is being stopped (SIGTERM or a machine notice): not "
+           "restarting in place; `ckrun run` or `ckrun submit` again resumes"
+           if ev.outcome == "restart_here"
            else f"requeued by the scheduler{': ' + ev.detail if ev.detail else ''}")
     s = _r(s, exit_code=int(code))
     return s, [Log("requeue", msg, {"outcome": ev.outcome, "exit_code": int(code)}),

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from ckrun import control, process
 from ckrun import statemachine as sm
-from ckrun.config import RunConfig
+from ckrun.config import RunConfig, is_local_storage
 from ckrun.errors import CkrunError
 from ckrun.events import EventLog
 from ckrun.notices import DRILL, PREEMPTION, TERMINATION, Notice, NoticeSource, utcnow
@@ -162,8 +162,8 @@ class Supervisor:
         self._requests(now)
         for src in self.sources:
             n = src.poll()
-            if n is not None:
-                self._queue.append(self._notice_event(n, now))
+            if n is not None:  # a cloud/scheduler notice means this machine goes away
+                self._queue.append(self._notice_event(n, now, self_term=n.kind != DRILL))
         self._reap(now)
         self._queue.append(sm.Tick(time.monotonic()))
 
@@ -292,8 +292,8 @@ class Supervisor:
         for k in ("CKRUN_RESUME_STEP", "CKRUN_DRILL_AT_CHECKS_DONE"):
             env.pop(k, None)
         root = cfg.run_root
-        if "://" not in root:
-            root = os.path.abspath(root)
+        if is_local_storage(root):
+            root = os.path.abspath(root.removeprefix("file://"))
         env.update(
             CKRUN_RUN=cfg.run, CKRUN_ATTEMPT=str(attempt), CKRUN_STORAGE=root,
             CKRUN_CONTROL_DIR=self.rundir.control_dir, CKRUN_GRACE_S=f"{cfg.grace_s:g}",
