@@ -89,7 +89,7 @@ def test_config_shows_sources(tmp_path: Path) -> None:
     body = json.loads(r.stdout)
     assert body["grace_s"] == {"value": 33.0, "source": "env:CKRUN_GRACE_S"}
     assert body["max_requeues"]["source"] == "profile:local"
-    assert body["chaos_preempt_every"]["source"] == "default"
+    assert body["world_size"]["source"] == "default"
 
 
 def test_status_preempt_cancel_of_unknown_run(tmp_path: Path) -> None:

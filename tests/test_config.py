@@ -19,7 +19,7 @@ def test_precedence_and_sources() -> None:
     assert cfg.max_failures == 7 and cfg.sources["max_failures"] == "env:CKRUN_MAX_FAILURES"
     assert cfg.max_requeues == prof["max_requeues"]
     assert cfg.sources["max_requeues"] == "profile:local"
-    assert cfg.kill_delay_s == RunConfig.kill_delay_s and cfg.sources["kill_delay_s"] == "default"
+    assert cfg.world_size == RunConfig.world_size and cfg.sources["world_size"] == "default"
 
 
 def test_storage_env_is_not_the_childs_run_root() -> None:
