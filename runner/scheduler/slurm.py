@@ -102,9 +102,15 @@ class SlurmScheduler:
         return spec.options if isinstance(spec.options, Options) else self.options
 
     def supervisor_command(self, spec: JobSpec) -> str:
-        """The shell-quoted ``ckrun run --run NAME --storage URL [ARGS] -- CMD`` line."""
+        """The shell-quoted ``ckrun run --run NAME --storage BASE [ARGS] -- CMD`` line.
+
+        ``BASE`` is ``spec.storage`` (the run root ``BASE/NAME``) less ``/NAME``, unless
+        ``spec.supervisor_args`` already gives ``--storage``.
+        """
         argv = [*shlex.split(self._opts(spec).launcher), "run", "--run", spec.run]
-        argv += ["--storage", spec.storage, *spec.supervisor_args, "--", *spec.command]
+        if "--storage" not in spec.supervisor_args:
+            argv += ["--storage", storage_base(spec.storage, spec.run)]
+        argv += [*spec.supervisor_args, "--", *spec.command]
         return shlex.join(argv)
 
     def _sbatch_params(self, spec: JobSpec, o: Options) -> dict[str, Any]:
@@ -309,19 +315,37 @@ class SlurmScheduler:
         """``scontrol requeue JOB`` once, from rank 0; other ranks only return REQUEUED.
 
         Call it only when everything is durable: Slurm sends SIGTERM to the caller about
-        13 ms after the command returns (DESIGN.md §6).  When Slurm has already requeued
-        the job itself (a preemption with ``PreemptMode=REQUEUE``: ``scontrol`` answers
-        "Job is pending execution") that counts as requeued.
+        13 ms after the command returns (DESIGN.md §6).  The job's record is read first
+        (measured on Slurm 22.05): a job Slurm already requeued (a ``PreemptMode=REQUEUE``
+        preemption seen after ``GraceTime``: COMPLETING with ``Restarts`` above this
+        attempt) counts as requeued without a call; a job being cancelled (``scancel``:
+        COMPLETING, ``Reason`` not ``TimeLimit``, or CANCELLED) is *not* requeued,
+        because ``scontrol requeue`` would silently undo the user's cancel.
 
         Raises:
-            RequeueError: (exit 6) ``scontrol`` is missing, or Slurm refused (e.g. the
-                job has ``--no-requeue``); the message names the fix.
+            RequeueError: (exit 6) ``scontrol`` is missing, the job is being cancelled,
+                or Slurm refused (e.g. ``--no-requeue``); the message names the fix.
         """
         if job.rank != 0:
             return RequeueOutcome.REQUEUED
         jid = validate_job_id(job.job_id)
         if jid in self._requeued:
             return RequeueOutcome.REQUEUED
+        verdict = self._requeue_verdict(jid, job.attempt)
+        if verdict == "cancelled":
+            raise RequeueError(
+                f"job {jid} is being cancelled (scancel), so ckrun does not requeue it; the "
+                "checkpoint is committed: resubmit the same job to resume"
+            )
+        if verdict != "already":
+            msg = self._scontrol_requeue(jid)
+            if msg is not None and self._requeue_verdict(jid, job.attempt) != "already":
+                raise RequeueError(_requeue_fix(jid, msg))
+        self._requeued.add(jid)
+        return RequeueOutcome.REQUEUED
+
+    def _scontrol_requeue(self, jid: str) -> str | None:
+        """Run ``scontrol requeue``; None on success, else Slurm's message."""
         try:
             proc = self._run(["scontrol", "requeue", jid])
         except FileNotFoundError as exc:
@@ -337,21 +361,27 @@ class SlurmScheduler:
                 f"down?); the checkpoint is committed, run `scontrol requeue {jid}` later"
             ) from exc
         if proc.returncode == 0:
-            self._requeued.add(jid)
-            return RequeueOutcome.REQUEUED
-        msg = (proc.stderr or proc.stdout).strip()
-        if self._already_requeued(jid, job.attempt):
-            log.info("Slurm already requeued job %s (%s)", jid, msg)
-            self._requeued.add(jid)
-            return RequeueOutcome.REQUEUED
-        raise RequeueError(_requeue_fix(jid, msg))
+            return None
+        return (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}"
 
-    def _already_requeued(self, jid: str, attempt: int) -> bool:
+    def _requeue_verdict(self, jid: str, attempt: int) -> str:
+        """``already`` (Slurm requeued it), ``cancelled`` (scancel), else ``requeue``."""
         rec = self.job_record(jid)
-        state = rec.get("JobState", "")
+        state, restarts = rec.get("JobState", ""), _int(rec.get("Restarts"), 0)
         if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
-            return True
-        return state == "COMPLETING" and _int(rec.get("Restarts"), 0) > attempt
+            return "already"
+        if state == "COMPLETING" and restarts > attempt:
+            return "already"
+        if state == "CANCELLED" or (state == "COMPLETING" and rec.get("Reason") != "TimeLimit"):
+            return "cancelled"
+        return "requeue"
+
+
+def storage_base(run_root: str, run: str) -> str:
+    """``run_root`` less its trailing ``/run`` (``ckrun run`` appends the name itself)."""
+    root = run_root.rstrip("/")
+    suffix = "/" + run
+    return root[: -len(suffix)] if root.endswith(suffix) and len(root) > len(suffix) else root
 
 
 def _requeue_fix(jid: str, msg: str) -> str:

@@ -22,7 +22,7 @@ LOGS = "/shared/ckrun-logs"
 CASES: dict[str, tuple[Options, JobSpec]] = {
     "minimal": (
         Options(log_dir=LOGS),
-        JobSpec(run="demo", command=("python", "train.py"), storage="/shared/runs"),
+        JobSpec(run="demo", command=("python", "train.py"), storage="/shared/runs/demo"),
     ),
     "multinode_gpu": (
         Options(
@@ -43,14 +43,14 @@ CASES: dict[str, tuple[Options, JobSpec]] = {
         JobSpec(
             run="llama-7b",
             command=("torchrun", "--nproc_per_node=8", "train.py", "--lr", "3e-4", "--name", "a b"),
-            storage="s3://bucket/runs",
+            storage="s3://bucket/runs/llama-7b",
             env={"NCCL_DEBUG": "WARN", "WANDB_NAME": "it's"},
             supervisor_args=("--grace", "240"),
         ),
     ),
     "batch_shell": (
         Options(use_srun=False, time="30", lead_s=60, signal="SIGUSR2", log_dir=LOGS),
-        JobSpec(run="small", command=("python", "-u", "train.py"), storage="/shared/runs"),
+        JobSpec(run="small", command=("python", "-u", "train.py"), storage="/shared/runs/small"),
     ),
     "no_requeue": (
         Options(requeue=False, partition="debug", time="10", lead_s=30, log_dir=LOGS),
@@ -87,6 +87,14 @@ def test_render_essentials() -> None:
     assert "ckrun run --run demo --storage /shared/runs -- python train.py" in text
     assert "submitit.core._submit" not in text  # the program is the supervisor, not submitit's
     assert "USR2@90" not in text and "wckey" not in text
+
+
+def test_storage_base_and_explicit_storage_arg() -> None:
+    s = SlurmScheduler(Options(log_dir=LOGS))
+    spec = JobSpec(run="r", command=("x",), storage="s3://b/p/r/")
+    assert "--storage s3://b/p -- x" in s.supervisor_command(spec)
+    spec = JobSpec(run="r", command=("x",), storage="/a/r", supervisor_args=("--storage", "/a"))
+    assert s.supervisor_command(spec).count("--storage") == 1
 
 
 def test_spec_options_win_over_scheduler_options() -> None:

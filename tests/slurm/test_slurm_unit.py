@@ -114,15 +114,17 @@ def test_requeue_refused_names_the_fix(tmp_path: Path) -> None:
     with pytest.raises(RequeueError, match=r"--requeue") as ei:
         s.requeue(JobInfo(backend="slurm", job_id="9"))
     assert "presently disabled" in str(ei.value) and "checkpoint is" in str(ei.value)
-    assert (tmp_path / "calls").read_text().splitlines() == ["requeue 9", "show job -o 9"]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == ["show job -o 9", "requeue 9", "show job -o 9"]
 
 
 def test_requeue_once_and_argv_only(tmp_path: Path) -> None:
-    s = SlurmScheduler(env=_fake_scontrol(tmp_path, "exit 0"))
+    body = 'case "$1" in show) echo "JobId=9_4 JobState=RUNNING Restarts=0";; esac; exit 0'
+    s = SlurmScheduler(env=_fake_scontrol(tmp_path, body))
     job = JobInfo(backend="slurm", job_id="9_4")
     assert s.requeue(job) == RequeueOutcome.REQUEUED
     assert s.requeue(job) == RequeueOutcome.REQUEUED
-    assert (tmp_path / "calls").read_text().splitlines() == ["requeue 9_4"]
+    assert (tmp_path / "calls").read_text().splitlines() == ["show job -o 9_4", "requeue 9_4"]
     with pytest.raises(ConfigError):
         s.requeue(JobInfo(backend="slurm", job_id="9; touch /tmp/x"))
 
@@ -136,6 +138,31 @@ def test_requeue_already_requeued_by_preemption(tmp_path: Path) -> None:
     )
     s = SlurmScheduler(env=_fake_scontrol(tmp_path, body))
     assert s.requeue(JobInfo(backend="slurm", job_id="5", attempt=0)) == RequeueOutcome.REQUEUED
+
+
+@pytest.mark.parametrize(
+    ("record", "calls_requeue", "outcome"),
+    [
+        # records measured on Slurm 22.05 inside the job, right after its SIGTERM:
+        ("JobState=COMPLETING Reason=None Restarts=0", False, "cancelled"),  # scancel
+        ("JobState=CANCELLED Reason=None Restarts=0", False, "cancelled"),
+        ("JobState=COMPLETING Reason=TimeLimit Restarts=0", True, "requeued"),  # past limit
+        ("JobState=RUNNING Reason=None Restarts=0", True, "requeued"),  # srun preemption
+        ("JobState=COMPLETING Reason=None Restarts=1", False, "requeued"),  # after GraceTime
+    ],
+)
+def test_requeue_reads_the_job_state_first(
+    tmp_path: Path, record: str, calls_requeue: bool, outcome: str
+) -> None:
+    body = f'case "$1" in show) echo "JobId=5 {record}";; esac; exit 0'
+    s = SlurmScheduler(env=_fake_scontrol(tmp_path, body))
+    job = JobInfo(backend="slurm", job_id="5", attempt=0)
+    if outcome == "cancelled":
+        with pytest.raises(RequeueError, match="being cancelled"):
+            s.requeue(job)
+    else:
+        assert s.requeue(job) == RequeueOutcome.REQUEUED
+    assert ("requeue 5" in (tmp_path / "calls").read_text().splitlines()) is calls_requeue
 
 
 @pytest.mark.parametrize(
