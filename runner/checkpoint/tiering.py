@@ -262,7 +262,7 @@ class TieredStorage:
             f"upload needs ~{expected:.1f} s at {bps / 1e6:.1f} MB/s and {left:.1f} s are "
             "left before the deadline; the previous remote checkpoint stands"
         )
-        log.warning("[ckrun] %s", msg)
+        log.warning("%s", msg)
         self._event("upload_skipped", m.step, expected, seconds_left=round(left, 3), message=msg)
         return False
 
@@ -291,7 +291,7 @@ class TieredStorage:
                 self.stats["failed"] += 1
                 step = item.step if isinstance(item, Manifest) else None
                 log.error(
-                    "[ckrun] upload of %s to %s failed: %s",
+                    "upload of %s to %s failed: %s",
                     getattr(item, "key", item),
                     self.remote.url,
                     e,
@@ -318,7 +318,7 @@ class TieredStorage:
         timeout = None if notice is None else max(0.0, notice.seconds_left() - self.margin_s)
         if not self.flush(timeout):
             log.warning(
-                "[ckrun] exiting with uploads unfinished (deadline); the remote tier "
+                "exiting with uploads unfinished (deadline); the remote tier "
                 "keeps its previous checkpoint"
             )
 
@@ -347,7 +347,7 @@ class TieredStorage:
             uploads=self.stats["uploads"] + 1, last_upload_s=dt, bytes=self.stats["bytes"] + nbytes
         )
         log.info(
-            "[ckrun] step %d committed to %s (%d bytes in %.2f s)",
+            "step %d committed to %s (%d bytes in %.2f s)",
             m.step,
             self.remote.url,
             nbytes,

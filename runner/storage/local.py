@@ -174,14 +174,17 @@ class LocalStorage:
 
     Args:
         path: the root directory; created (with parents) if missing.
+        write_behind: start write-back every :data:`WRITE_BEHIND_BYTES` during streaming
+            writes (``sync_file_range``); False leaves it all to the final fsync.
 
     Raises:
         StorageError: the root cannot be created (``StoragePermissionError`` when
             read-only or denied).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, write_behind: bool = True):
         self.url = path
+        self.write_behind = write_behind
         self.root = os.path.abspath(path)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -212,7 +215,7 @@ class LocalStorage:
 
     def open_write(self, key: str) -> LocalWriter:
         """Start a streaming, atomic write to ``key`` (see :class:`LocalWriter`)."""
-        return LocalWriter(self, key)
+        return LocalWriter(self, key, write_behind=self.write_behind)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
         """Store ``data`` under ``key`` atomically and durably.

@@ -147,3 +147,34 @@ def test_hostile_header_refused_without_allocation(tmp_path: Any, edit: Any) -> 
     data, _ = _write({"w": torch.ones(4)}, tmp_path)
     with pytest.raises(CorruptCheckpoint):
         _read(_rewrite_header(data, edit), "crc32c:00000000")
+
+
+def _big_shard(tmp_path: Any) -> tuple[LocalStorage, int, str, torch.Tensor]:
+    st = LocalStorage(str(tmp_path / "big"))
+    t = torch.arange(10 << 20, dtype=torch.float32)  # 40 MiB: the parallel read path
+    w = st.open_write("s.ckpt")
+    size, crc = fmt.write_shard(w, fmt.snapshot({"t": t, "small": torch.ones(3)}))
+    w.commit()
+    return st, size, crc, t
+
+
+def test_parallel_read_path(tmp_path: Any) -> None:
+    st, size, crc, t = _big_shard(tmp_path)
+    assert size >= 2 * fmt.PARALLEL_MIN_BYTES // 2
+    with st.open_read("s.ckpt") as f:
+        got = fmt.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
+    assert torch.equal(got["t"], t) and torch.equal(got["small"], torch.ones(3))
+    path = st.local_path("s.ckpt")
+    assert path is not None
+    with open(path, "r+b") as fh:  # flip a bit in the second reader's half
+        fh.seek(size - (5 << 20))
+        b = fh.read(1)
+        fh.seek(size - (5 << 20))
+        fh.write(bytes([b[0] ^ 4]))
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"), st.open_read("s.ckpt") as f:
+        fmt.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
+    import os
+
+    os.truncate(path, size - 1000)
+    with pytest.raises(CorruptCheckpoint, match="truncated"), st.open_read("s.ckpt") as f:
+        fmt.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")

@@ -1,0 +1,254 @@
+"""Checkpoint save/load benchmark (issue 2): ckrun against the disk and torch.save.
+
+One run, side by side, on a transformer-shaped state (fp32 weights + AdamW exp_avg and
+exp_avg_sq, so the weights are a third of the bytes):
+
+    saves : O_DIRECT write + fsync (the disk's limit), page-cache write + fsync,
+            torch.save + fsync, ckrun save (write-behind on / off)
+    loads : cold read of the file, torch.load(weights_only) into the model and
+            optimizer, torch.load(mmap=True), ckrun load — each after dropping the page
+            cache (``echo 3 > /proc/sys/vm/drop_caches`` as root, else
+            ``posix_fadvise(DONTNEED)`` on the files; the table says which)
+
+GB/s are 10^9 bytes per second; ratios are computed within the run.  Extra RSS during
+the ckrun save is sampled every 2 ms from /proc/self/statm.
+
+Usage: python bench/checkpoint.py [--size-gib 1] [--dir /tmp/ckrun-bench] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import ckrun
+from ckrun.storage.local import LocalStorage
+
+GB = 1e9
+CHUNK = 64 << 20
+
+
+def build_state(size_gib: float, d_model: int = 1024) -> dict[str, Any]:
+    """Transformer blocks (qkv, proj, mlp up/down, 2 layernorms) + AdamW with state."""
+    per_block = 12 * d_model * d_model + 13 * d_model
+    blocks = max(1, round(size_gib * (1 << 30) / (3 * 4 * per_block)))
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(blocks):
+        layers += [torch.nn.LayerNorm(d_model), torch.nn.Linear(d_model, 3 * d_model),
+                   torch.nn.Linear(d_model, d_model), torch.nn.LayerNorm(d_model),
+                   torch.nn.Linear(d_model, 4 * d_model), torch.nn.Linear(4 * d_model, d_model)]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"model": model, "optimizer": opt, "extra": {"step": 1}}
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    n = sum(t.numel() * t.element_size() for t in state["model"].state_dict().values())
+    for st in state["optimizer"].state_dict()["state"].values():
+        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return n
+
+
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    out = list(state["model"].state_dict().values())
+    for st in state["optimizer"].state_dict()["state"].values():
+        out += [v for v in st.values() if torch.is_tensor(v)]
+    return out
+
+
+def drop_cache(paths: list[str]) -> str:
+    """Evict ``paths`` from the page cache; returns the method used."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "fadvise"
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t = time.perf_counter()
+    r = fn()
+    return time.perf_counter() - t, r
+
+
+def odirect_write(path: str, nbytes: int) -> None:
+    buf = mmap.mmap(-1, CHUNK)  # page aligned, as O_DIRECT requires
+    buf.write(os.urandom(1 << 20) * (CHUNK >> 20))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        done = 0
+        while done < nbytes:
+            done += os.write(fd, buf)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pagecache_write(path: str, tensors: list[torch.Tensor]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors:
+            os.write(fd, t.reshape(-1).view(torch.uint8).numpy())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def torch_save(path: str, state: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        torch.save({"model": state["model"].state_dict(),
+                    "optimizer": state["optimizer"].state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def cold_read(path: str) -> int:
+    buf = bytearray(CHUNK)
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while got := f.readinto(buf):
+            n += got
+    return n
+
+
+class RssPeak:
+    """Samples resident memory (bytes) every 2 ms in a thread."""
+
+    def __init__(self) -> None:
+        self.base = self._rss()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> RssPeak:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._rss())
+
+
+def run(size_gib: float, root: str) -> dict[str, Any]:
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    state = build_state(size_gib)
+    nbytes = state_bytes(state)
+    tensors = _tensors(state)
+    rows: dict[str, Any] = {"state_bytes": nbytes, "saves": {}, "loads": {}}
+    s = rows["saves"]
+    s["O_DIRECT write + fsync"] = timed(lambda: odirect_write(f"{root}/odirect", nbytes))[0]
+    s["page-cache write + fsync"] = timed(
+        lambda: pagecache_write(f"{root}/pagecache", tensors))[0]
+    s["torch.save + fsync"] = timed(lambda: torch_save(f"{root}/torch.pt", state))[0]
+    plain = ckrun.Checkpointer(storage=LocalStorage(f"{root}/plain", write_behind=False),
+                               rng=False, lock=False)
+    s["ckrun save (no write-behind)"] = timed(lambda: plain.save(1, state))[0]
+    ck = ckrun.Checkpointer(storage=f"{root}/ckrun", rng=False, lock=False)
+    with RssPeak() as rss:
+        dt, m = timed(lambda: ck.save(1, state))
+    s["ckrun save"] = dt
+    rows["ckrun_file_bytes"] = m.total_size_bytes
+    rows["torch_file_bytes"] = os.path.getsize(f"{root}/torch.pt")
+    rows["save_extra_rss_bytes"] = rss.peak - rss.base
+    shard = os.path.join(root, "ckrun", m.shards[0].key)
+    files = [shard, f"{root}/torch.pt", f"{root}/odirect", f"{root}/pagecache"]
+    del tensors
+    ld = rows["loads"]
+    rows["cache_drop"] = drop_cache(files)
+    ld["cold read (file → reused buffer)"] = timed(lambda: cold_read(shard))[0]
+
+    def tload(mmap_: bool) -> None:
+        sd = torch.load(f"{root}/torch.pt", weights_only=True, mmap=mmap_)
+        state["model"].load_state_dict(sd["model"])
+        state["optimizer"].load_state_dict(sd["optimizer"])
+
+    drop_cache(files)
+    ld["torch.load(weights_only) → model+opt"] = timed(lambda: tload(False))[0]
+    drop_cache(files)
+    ld["torch.load(mmap=True) → model+opt"] = timed(lambda: tload(True))[0]
+    drop_cache(files)
+    loader = ckrun.Checkpointer(storage=f"{root}/ckrun", rng=False, lock=False)
+    ld["ckrun load → model+opt"] = timed(lambda: loader.load(state))[0]
+    shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def table(r: dict[str, Any]) -> str:
+    n = r["state_bytes"]
+    size_of = {"torch.save + fsync": r["torch_file_bytes"], "ckrun save": r["ckrun_file_bytes"],
+               "ckrun save (no write-behind)": r["ckrun_file_bytes"]}
+    lines = [f"state: {n / (1 << 30):.2f} GiB ({n} bytes); torch {sys.modules['torch'].__version__}"
+             f"; page cache dropped with {r['cache_drop']}", "",
+             "| operation | seconds | GB/s |", "|---|---:|---:|"]
+    rate = {}
+    for k, dt in r["saves"].items():
+        rate[k] = size_of.get(k, n) / dt / GB
+        lines.append(f"| save: {k} | {dt:.3f} | {rate[k]:.2f} |")
+    for k, dt in r["loads"].items():
+        size = r["torch_file_bytes"] if k.startswith("torch") else r["ckrun_file_bytes"]
+        rate[k] = size / dt / GB
+        lines.append(f"| load: {k} | {dt:.3f} | {rate[k]:.2f} |")
+    ck, cold = rate["ckrun save"], rate["cold read (file → reused buffer)"]
+    lines += ["",
+              f"ckrun save / O_DIRECT limit: {ck / rate['O_DIRECT write + fsync']:.2f}× "
+              "(target ≥ 0.75)",
+              f"ckrun save / torch.save: {ck / rate['torch.save + fsync']:.2f}× (target ≥ 1.5)",
+              f"ckrun save / page-cache write: {ck / rate['page-cache write + fsync']:.2f}×",
+              f"write-behind gain: {ck / rate['ckrun save (no write-behind)']:.2f}×",
+              f"ckrun load / cold read: {rate['ckrun load → model+opt'] / cold:.2f}× "
+              "(target ≥ 1.0)",
+              f"ckrun load / torch.load: "
+              f"{rate['ckrun load → model+opt'] / rate['torch.load(weights_only) → model+opt']:.2f}×",
+              f"extra RSS during ckrun save: {r['save_extra_rss_bytes'] / (1 << 20):.1f} MiB = "
+              f"{100 * r['save_extra_rss_bytes'] / n:.1f} % of the state (target ≤ 10 %)"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gib", type=float, default=1.0, help="state size in GiB [1]")
+    ap.add_argument("--dir", default="/tmp/ckrun-bench", help="scratch directory (removed)")
+    ap.add_argument("--json", default=None, help="also write the raw figures here")
+    a = ap.parse_args()
+    r = run(a.size_gib, a.dir)
+    print(table(r))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
