@@ -140,12 +140,12 @@ class Poller:
             self._count_error(exc)
             return self.interval_s
         except Exception as exc:  # a bug here must not kill the supervisor's poller
-            log.exception("[ckrun] %s notice poller: unexpected error", self.name)
+            log.exception("%s notice poller: unexpected error", self.name)
             self._count_error(exc)
             return self.interval_s
         if self.stats["consecutive_errors"]:
             log.info(
-                "[ckrun] %s metadata endpoint answers again after %d failed rounds",
+                "%s metadata endpoint answers again after %d failed rounds",
                 self.name,
                 self.stats["consecutive_errors"],
             )
@@ -164,7 +164,7 @@ class Poller:
             level = logging.WARNING
         log.log(
             level,
-            "[ckrun] %s notice poller: %s (%d in a row; retrying every %.1f s)",
+            "%s notice poller: %s (%d in a row; retrying every %.1f s)",
             self.name,
             exc,
             n,
@@ -178,7 +178,7 @@ class Poller:
         self._seen.add(key)
         self.stats["notices"] += 1
         log.warning(
-            "[ckrun] %s notice: %s, deadline %s (%.0f s left)",
+            "%s notice: %s, deadline %s (%.0f s left)",
             self.name,
             notice.kind,
             notice.deadline_utc.isoformat(),
@@ -202,6 +202,6 @@ def parse_time(s: str, default: dt.datetime) -> dt.datetime:
         try:
             t = email.utils.parsedate_to_datetime(s)
         except (TypeError, ValueError):
-            log.warning("[ckrun] unparseable notice time %r; using the default lead", s)
+            log.warning("unparseable notice time %r; using the default lead", s)
             return default
     return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from ckrun.notices import NoticeSource
+
+# The S3 fixtures (moto's server) live with the storage tests; the spot end-to-end test
+# here needs them too.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "storage"))
 from metaservers import AwsImds, AzureImds, GcpMetadata
+from s3_server import moto_s3  # noqa: E402, F401
 
 
 @pytest.fixture

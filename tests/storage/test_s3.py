@@ -158,8 +158,9 @@ def test_unreachable_endpoint(moto_s3: MotoS3) -> None:
 def test_500_storm_is_retried(moto_s3: MotoS3, fault_proxy: FaultProxy) -> None:
     """Faults injected by a loopback HTTP proxy (not botocore hooks): real 500/503 answers
     over HTTP, so botocore's standard retry mode is what recovers."""
-    st = moto_s3.storage(moto_s3.new_bucket(), endpoint=fault_proxy.endpoint,
-                         s3_max_attempts=6, **SMALL_PARTS)
+    st = moto_s3.storage(
+        moto_s3.new_bucket(), endpoint=fault_proxy.endpoint, s3_max_attempts=6, **SMALL_PARTS
+    )
     data = os.urandom(11 * MiB)  # multipart: create, 3 parts in parallel, complete
     fault_proxy.fail_next(2, match="?uploads")  # CreateMultipartUpload
     fault_proxy.fail_next(3, match="partNumber=")  # UploadPart
@@ -172,8 +173,7 @@ def test_500_storm_is_retried(moto_s3: MotoS3, fault_proxy: FaultProxy) -> None:
 
 
 def test_storm_longer_than_retries_fails_cleanly(moto_s3: MotoS3, fault_proxy) -> None:
-    st = moto_s3.storage(moto_s3.new_bucket(), endpoint=fault_proxy.endpoint,
-                         s3_max_attempts=2)
+    st = moto_s3.storage(moto_s3.new_bucket(), endpoint=fault_proxy.endpoint, s3_max_attempts=2)
     fault_proxy.fail_next(2)
     with pytest.raises(StorageError, match="kept failing"):
         st.put("other", b"x")

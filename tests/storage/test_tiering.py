@@ -96,8 +96,13 @@ def test_fresh_machine_resumes_from_remote(moto_s3, tmp_path) -> None:
 
 
 def test_policy_milestones_and_final_marker_last(moto_s3, tmp_path) -> None:
-    t = tiered(moto_s3, tmp_path, moto_s3.new_bucket(), policy=UploadPolicy.parse("milestones"),
-               keep_last=10)
+    t = tiered(
+        moto_s3,
+        tmp_path,
+        moto_s3.new_bucket(),
+        policy=UploadPolicy.parse("milestones"),
+        keep_last=10,
+    )
     state = make_state()
     with ckrun.Checkpointer(t, keep_last=10, milestone_every=3, rng=False) as ck:
         for step in range(1, 7):
@@ -113,7 +118,8 @@ def test_policy_milestones_and_final_marker_last(moto_s3, tmp_path) -> None:
 def test_policy_parse() -> None:
     assert UploadPolicy.parse("every:3") == UploadPolicy("every_n", 3)
     assert UploadPolicy("every_n", 3).selects(
-        ckrun.Manifest.__new__(ckrun.Manifest), emergency=True, ordinal=1)
+        ckrun.Manifest.__new__(ckrun.Manifest), emergency=True, ordinal=1
+    )
     with pytest.raises(ConfigError, match="every:N"):
         UploadPolicy.parse("sometimes")
 
@@ -141,8 +147,9 @@ def _notice_in(seconds: float) -> None:
 
 
 def test_emergency_upload_that_cannot_finish_is_not_started(moto_s3, tmp_path) -> None:
-    t = tiered(moto_s3, tmp_path, moto_s3.new_bucket(), s3_bandwidth_bytes_per_s=8 << 20,
-               margin_s=0.5)
+    t = tiered(
+        moto_s3, tmp_path, moto_s3.new_bucket(), s3_bandwidth_bytes_per_s=8 << 20, margin_s=0.5
+    )
     small, big = make_state(width=1024), make_state(width=4096)  # ~4 MB, ~64 MB
     with ckrun.Checkpointer(t, rng=False) as ck:
         ck.save(1, small)
@@ -183,8 +190,13 @@ def test_child_exit_waits_for_emergency_upload(moto_s3, tmp_path) -> None:
     bucket = moto_s3.new_bucket()
     url = f"s3://{bucket}/runs/child"
     env = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path / "ctl"))
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "local"), url], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "local"), url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 75, r.stderr
     remote = moto_s3.storage(url)
     assert steps_in(remote) == [2]
