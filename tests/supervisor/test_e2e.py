@@ -181,3 +181,20 @@ def test_int_is_forwarded_and_stops_the_run(tmp_path: Path, procs: Start) -> Non
     sup.proc.send_signal(signal.SIGINT)
     assert sup.wait(timeout=30) == 1
     assert "forwarded SIGINT" in sup.text and "not restarting" in sup.text
+
+
+@pytest.mark.slow
+def test_chaos_preempt_every_demo_survives_and_completes(tmp_path: Path, procs: Start) -> None:
+    # The period must exceed the child's start-up (torch import): a notice that arrives
+    # before the first step only re-saves the resumed step ("no new checkpoint").
+    sup = procs(["submit", "--run", "chaos", "--storage", "runs", "--chaos-preempt-every",
+                 "4s", CHILD, "--steps", "120", "--step-s", "0.03"], tmp_path)
+    assert sup.wait(timeout=300) == 0, sup.text
+    evs = events(tmp_path / "runs" / "chaos")
+    notices = [e for e in evs if e["kind"] == "notice"]
+    assert notices and all(e["source"] == "chaos" for e in notices)
+    pre = [e for e in evs if e["kind"] == "preempted"]
+    assert any(e["new_checkpoint"] for e in pre)
+    steps = [int(e["step"]) for e in pre]
+    assert steps == sorted(steps)
+    assert float(sup.wait_line(r"^done (\S+)").group(1)) == expected_w(120)
