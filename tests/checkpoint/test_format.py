@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from ckrun.checkpoint import format as fmt
+from ckrun.checkpoint import reader
 from ckrun.checkpoint.manifest import UnsupportedFormat
 from ckrun.errors import CheckpointError, CorruptCheckpoint
 from ckrun.storage.local import LocalStorage
@@ -160,7 +161,7 @@ def _big_shard(tmp_path: Any) -> tuple[LocalStorage, int, str, torch.Tensor]:
 
 def test_parallel_read_path(tmp_path: Any) -> None:
     st, size, crc, t = _big_shard(tmp_path)
-    assert size >= 2 * fmt.PARALLEL_MIN_BYTES // 2
+    assert size >= 2 * reader.PARALLEL_MIN_BYTES // 2
     with st.open_read("s.ckpt") as f:
         got = fmt.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
     assert torch.equal(got["t"], t) and torch.equal(got["small"], torch.ones(3))
