@@ -36,8 +36,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
 import crc32c
@@ -48,77 +47,10 @@ from ..errors import ConfigError, CorruptCheckpoint, ObjectExists, ObjectNotFoun
 from ..storage.base import ObjectInfo, ObjectWriter, Storage
 from . import layout, retention
 from .discovery import scan
+from .tiering_util import HookedWriter, UploadPolicy
 
 log = logging.getLogger(__name__)
 CHUNK = 16 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class UploadPolicy:
-    """Which committed checkpoints go to the remote tier.
-
-    Final artifacts and emergency checkpoints (a notice is pending) always do.
-
-    Attributes:
-        mode: ``every`` | ``milestones`` | ``every_n`` | ``emergency`` (only those).
-        every_n: for ``every_n``: the 1st, (n+1)th, ... recovery checkpoint.
-    """
-
-    mode: str = "every"
-    every_n: int = 1
-
-    @classmethod
-    def parse(cls, text: str) -> UploadPolicy:
-        """``every``, ``milestones``, ``emergency`` or ``every:N`` (profile ``upload_policy``).
-
-        Raises:
-            ConfigError: any other value.
-        """
-        t = text.strip().lower()
-        if t in ("every", "milestones", "emergency"):
-            return cls(t)
-        name, _, n = t.partition(":")
-        if name == "every" and n.isdigit() and int(n) >= 1:
-            return cls("every_n", int(n))
-        raise ConfigError(f"upload_policy={text!r}: use every, milestones, emergency or every:N")
-
-    def selects(self, m: Manifest, *, emergency: bool, ordinal: int) -> bool:
-        """Whether ``m`` (the ``ordinal``-th commit seen, from 0) is uploaded."""
-        if emergency or m.kind == "final" or self.mode == "every":
-            return True
-        if self.mode == "milestones":
-            return bool(m.kind == "milestone")
-        if self.mode == "every_n":
-            return ordinal % self.every_n == 0
-        return False
-
-
-class _HookedWriter:
-    """A local writer that calls ``on_commit`` after a successful commit."""
-
-    def __init__(self, inner: ObjectWriter, on_commit: Any) -> None:
-        self.key = inner.key
-        self._inner, self._on_commit = inner, on_commit
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        return self._inner.write(data)
-
-    def commit(self) -> ObjectInfo:
-        info = self._inner.commit()
-        self._on_commit(self.key)
-        return info
-
-    def abort(self) -> None:
-        self._inner.abort()
-
-    def __enter__(self) -> _HookedWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 class TieredStorage:
@@ -183,7 +115,7 @@ class TieredStorage:
         return info
 
     def open_write(self, key: str) -> ObjectWriter:
-        return _HookedWriter(self.local.open_write(key), self._committed)
+        return HookedWriter(self.local.open_write(key), self._committed)
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete from the local tier only (the remote tier has its own retention)."""
@@ -425,3 +357,29 @@ def open_tiered(remote_url: str, local_dir: str, **kw: Any) -> TieredStorage:
     from ckrun.storage.local import LocalStorage
 
     return TieredStorage(LocalStorage(local_dir), open_storage(remote_url), **kw)
+
+
+def open_from_env(url: str, environ: Mapping[str, str] | None = None) -> TieredStorage | None:
+    """Two-tier storage for a remote ``url`` when ``CKRUN_LOCAL_TIER`` names a directory.
+
+    The hook for :func:`ckrun.storage.open_storage`: with ``CKRUN_LOCAL_TIER=/mnt/nvme/ckrun``
+    the run root ``s3://b/runs/NAME`` becomes local ``/mnt/nvme/ckrun/NAME`` + remote
+    ``s3://b/runs/NAME``.  ``CKRUN_UPLOAD_POLICY`` (``every``, ``milestones``,
+    ``emergency``, ``every:N``) and ``CKRUN_REMOTE_KEEP_LAST`` (default 3) tune it.
+
+    Returns:
+        None for a local ``url`` or when ``CKRUN_LOCAL_TIER`` is unset.
+
+    Raises:
+        ConfigError: an invalid policy or keep-last value.
+    """
+    env = os.environ if environ is None else environ
+    base = env.get("CKRUN_LOCAL_TIER")
+    if not base or "://" not in url or url.startswith("file://"):
+        return None
+    keep = env.get("CKRUN_REMOTE_KEEP_LAST", "3")
+    if not keep.isdigit() or int(keep) < 1:
+        raise ConfigError(f"CKRUN_REMOTE_KEEP_LAST={keep!r}: use an integer >= 1")
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    policy = UploadPolicy.parse(env.get("CKRUN_UPLOAD_POLICY", "every"))
+    return open_tiered(url, os.path.join(base, name), policy=policy, keep_last=int(keep))

@@ -238,3 +238,24 @@ def test_sigkill_during_upload_leaves_nothing_visible(moto_s3: MotoS3) -> None:
     assert st.head("step-0000000007/shard-00000.pt") is None
     assert st.abort_incomplete_uploads(older_than_s=0) == 1
     assert uploads(st) == []
+
+
+def test_ckrun_run_refuses_missing_bucket_at_preflight(moto_s3: MotoS3, tmp_path) -> None:
+    """The supervisor's preflight lists the S3 run root: exit 5 before the child starts."""
+    marker = tmp_path / "child-ran"
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "ckrun"),
+        "run",
+        "--run",
+        "r1",
+        "--storage",
+        "s3://no-such-bucket-ckrun/runs",
+        "--",
+        "touch",
+        str(marker),
+    ]
+    env = dict(os.environ, CKRUN_STATE_DIR=str(tmp_path / "state"))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 5, r.stderr
+    assert "does not exist" in r.stderr and "aws s3 mb" in r.stderr
+    assert not marker.exists()

@@ -200,3 +200,18 @@ def test_child_exit_waits_for_emergency_upload(moto_s3, tmp_path) -> None:
     assert r.returncode == 75, r.stderr
     remote = moto_s3.storage(url)
     assert steps_in(remote) == [2]
+
+
+def test_open_from_env(moto_s3, tmp_path) -> None:
+    from ckrun.checkpoint.tiering import open_from_env
+
+    url = f"s3://{moto_s3.new_bucket()}/runs/r7"
+    assert open_from_env(url, {}) is None
+    assert open_from_env(str(tmp_path), {"CKRUN_LOCAL_TIER": str(tmp_path)}) is None
+    t = open_from_env(
+        url, {"CKRUN_LOCAL_TIER": str(tmp_path / "nvme"), "CKRUN_UPLOAD_POLICY": "every:4"}
+    )
+    assert t is not None and t.url == url and t.policy == UploadPolicy("every_n", 4)
+    assert t.local.url.endswith("nvme/r7")
+    with pytest.raises(ConfigError):
+        open_from_env(url, {"CKRUN_LOCAL_TIER": "/x", "CKRUN_REMOTE_KEEP_LAST": "0"})
