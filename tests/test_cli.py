@@ -12,8 +12,10 @@ PY = sys.executable
 
 def cli(args: list[str], cwd: Path | None = None,
         **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "ckrun.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=60, **kw)  # type: ignore[call-overload]
+    r: subprocess.CompletedProcess[str] = subprocess.run(  # type: ignore[call-overload]
+        [PY, "-m", "ckrun.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=60,
+        **kw)
+    return r
 
 
 NO_TORCH = """

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import ckrun
 import torch
@@ -35,7 +36,7 @@ def main() -> int:
     ckpt = ckrun.Checkpointer.from_env(compat={"config": {"steps": a.steps}}, rng=False)
     if a.ignore_notice:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    state = {"w": torch.zeros(4, dtype=torch.float64), "step": 0}
+    state: dict[str, Any] = {"w": torch.zeros(4, dtype=torch.float64), "step": 0}
     m = ckpt.load(state)
     start = int(state["step"]) if m is not None else 0
     print(f"resumed {m.step if m else None} attempt {os.environ.get('CKRUN_ATTEMPT')}",

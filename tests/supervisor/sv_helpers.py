@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 CHILD = str(Path(__file__).with_name("child_train.py"))
 
@@ -73,7 +74,7 @@ class Ckrun:
             self.proc.wait(timeout=10)
 
 
-def events(root: Path) -> list[dict[str, object]]:
+def events(root: Path) -> list[dict[str, Any]]:
     path = root / "events.jsonl"
     if not path.exists():
         return []

@@ -14,7 +14,7 @@ P = sm.Policy(max_requeues=2, max_failures=3, crash_loop_failures=2, grace_s=30.
 
 
 def st(**kw: object) -> sm.State:
-    return dataclasses.replace(sm.State(policy=P), **kw)  # type: ignore[arg-type]
+    return dataclasses.replace(sm.State(policy=P), **kw)
 
 
 def running(**kw: object) -> sm.State:
@@ -132,12 +132,12 @@ def test_backoff_doubles_and_is_capped_then_preflight() -> None:
     for i in range(3):
         s, acts = sm.step(dataclasses.replace(s, child=True, phase=Phase.RUNNING),
                           sm.ChildExited(1, 11 + i, False, 10.0 * i))
-        delays.append(s.respawn_at - 10.0 * i)  # type: ignore[operator]
+        delays.append(s.respawn_at - 10.0 * i)
         s = dataclasses.replace(s, base_step=11 + i)
     assert delays == [1.0, 2.0, 3.0]
-    s2, acts = sm.step(s, sm.Tick(s.respawn_at - 0.01))  # type: ignore[operator]
+    s2, acts = sm.step(s, sm.Tick(s.respawn_at - 0.01))
     assert acts == []
-    s2, acts = sm.step(s, sm.Tick(s.respawn_at))  # type: ignore[arg-type]
+    s2, acts = sm.step(s, sm.Tick(s.respawn_at))
     assert s2.phase is Phase.PREFLIGHT and acts == [sm.RunPreflight()]
 
 
