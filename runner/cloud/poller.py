@@ -137,7 +137,8 @@ class Poller:
         try:
             delay = self._round()
         except (Transient, Unexpected, ValueError) as exc:
-            self._count_error(exc)
+            if not self._stop.is_set():  # an aborted request at close() is no error
+                self._count_error(exc)
             return self.interval_s
         except Exception as exc:  # a bug here must not kill the supervisor's poller
             log.exception("%s notice poller: unexpected error", self.name)
