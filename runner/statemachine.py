@@ -35,6 +35,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckrun.errors import ExitCode
+from ckrun.smtypes import (  # re-exported: the machine's vocabulary
+    Action,
+    ChildExited,
+    Deliver,
+    Escalate,
+    Event,
+    Exit,
+    Forward,
+    Kill,
+    Log,
+    NoticeEvent,
+    Preflighted,
+    Requeue,
+    Requeued,
+    RunPreflight,
+    SignalGroup,
+    Spawn,
+    SpawnFailed,
+    Tick,
+    WriteNotice,
+)
 
 _TERMINATED_BY_TERM = 128 + int(signal.SIGTERM)
 
@@ -106,152 +127,14 @@ class State:
     why: str = ""
 
 
-# ---------------------------------------------------------------- events
-@dataclass(frozen=True)
-class Preflighted:
-    """Preflight result: ``outcome`` is ready | complete | incompatible | cancelled."""
+Result = tuple["State", list[Action]]
 
-    outcome: str
-    step: int | None = None
-    diff: tuple[str, ...] = ()
-    detail: str = ""
-    now: float = 0.0
-
-
-@dataclass(frozen=True)
-class SpawnFailed:
-    """The command could not be executed."""
-
-    error: str
-    now: float = 0.0
-
-
-@dataclass(frozen=True)
-class ChildExited:
-    """The attempt's child was reaped and its session is empty.
-
-    Attributes:
-        status: shell-style exit status (128+N for signal N).
-        newest_step: newest committed step in storage now (None: none).
-        complete: a valid COMPLETE.json exists now.
-        save_s: the newest checkpoint's own save duration (manifest), seconds.
-    """
-
-    status: int
-    newest_step: int | None = None
-    complete: bool = False
-    now: float = 0.0
-    save_s: float | None = None
-
-
-@dataclass(frozen=True)
-class NoticeEvent:
-    """A notice: ``deadline`` is monotonic seconds (capped by grace in :func:`step`)."""
-
-    kind: str
-    source: str
-    deadline: float
-    now: float = 0.0
-    self_term: bool = False
-    cancel: bool = False
-
-
-@dataclass(frozen=True)
-class Forward:
-    """INT, HUP or QUIT for the child's group."""
-
-    sig: int
-    now: float = 0.0
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passes."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class Requeued:
-    """The scheduler's answer: ``outcome`` is restart_here | requeued | failed."""
-
-    outcome: str
-    detail: str = ""
-    now: float = 0.0
-
-
-Event = Preflighted | SpawnFailed | ChildExited | NoticeEvent | Forward | Tick | Requeued
-
-
-# ---------------------------------------------------------------- actions
-@dataclass(frozen=True)
-class RunPreflight:
-    """Run preflight and feed back :class:`Preflighted`."""
-
-
-@dataclass(frozen=True)
-class Spawn:
-    """Start attempt ``attempt`` (resuming from ``resume_step``)."""
-
-    attempt: int
-    resume_step: int | None
-
-
-@dataclass(frozen=True)
-class WriteNotice:
-    """Write ``notice.json`` with a deadline ``seconds_left`` from now."""
-
-    kind: str
-    source: str
-    seconds_left: float
-
-
-@dataclass(frozen=True)
-class Deliver:
-    """Send the notice signal to the child's processes that catch it."""
-
-
-@dataclass(frozen=True)
-class SignalGroup:
-    """Send ``sig`` to the child's process group / session."""
-
-    sig: int
-
-
-@dataclass(frozen=True)
-class Escalate:
-    """Write the escalation marker, then TERM the child's session."""
-
-
-@dataclass(frozen=True)
-class Kill:
-    """KILL everything left in the child's session."""
-
-
-@dataclass(frozen=True)
-class Requeue:
-    """Ask the scheduler for the next attempt; feed back :class:`Requeued`."""
-
-
-@dataclass(frozen=True)
-class Log:
-    """Print ``message`` (``[ckrun]`` prefixed) and append event ``kind`` with ``fields``."""
-
-    kind: str
-    message: str
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Exit:
-    """The supervisor exits with ``code``."""
-
-    code: int
-
-
-Action = (RunPreflight | Spawn | WriteNotice | Deliver | SignalGroup | Escalate | Kill
-          | Requeue | Log | Exit)
-Result = tuple[State, list[Action]]
+__all__ = [
+    "Phase", "Policy", "State", "TERMINAL", "step", "Preflighted", "SpawnFailed",
+    "ChildExited", "NoticeEvent", "Forward", "Tick", "Requeued", "Event", "RunPreflight",
+    "Spawn", "WriteNotice", "Deliver", "SignalGroup", "Escalate", "Kill", "Requeue", "Log",
+    "Exit", "Action", "Result",
+]
 
 TERMINAL = frozenset({Phase.COMPLETED, Phase.ALREADY_COMPLETE, Phase.INCOMPATIBLE,
                       Phase.FAILED, Phase.REQUEUE_FAILED, Phase.CANCELLED})

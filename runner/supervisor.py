@@ -1,5 +1,9 @@
 """The supervisor loop: executes :mod:`ckrun.statemachine`'s actions on real processes.
 
+The pure ``step(state, event) -> (state, actions)`` (DESIGN.md §4.5) lives in
+:mod:`ckrun.statemachine` (events and actions in :mod:`ckrun.smtypes`) and is
+re-exported here.
+
 One thread, ticking every ``tick_s`` (0.2 s) or sooner when a signal arrives (the
 handlers only record the signal number; ``signal.set_wakeup_fd`` wakes the ``select``).
 Each round it
@@ -40,7 +44,10 @@ from ckrun.events import EventLog
 from ckrun.notices import DRILL, PREEMPTION, TERMINATION, Notice, NoticeSource, utcnow
 from ckrun.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
 from ckrun.scheduler.base import JobInfo, RequeueOutcome, Scheduler
+from ckrun.statemachine import Phase, Policy, State, step
 from ckrun.storage.base import Storage
+
+__all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
 
 _FORWARD = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
