@@ -8,10 +8,13 @@ reader sees nothing or the whole object and a returned ``put``/``commit`` is dur
 a power cut).  Temp files are invisible to :meth:`LocalStorage.list`; ones left by a
 killed process are removed by :meth:`LocalStorage.sweep_temp`.
 
-Large streaming writes start write-back early with ``sync_file_range(2)`` every
-:data:`WRITE_BEHIND_BYTES` and wait for the window before the previous one, so the final
-fsync has little left to do and dirty pages stay bounded (measured ≈1.6× faster than
-write + fsync through the page cache on these machines, see bench/README.md).
+Streaming writes (:meth:`LocalStorage.open_write`, used for checkpoint shards) go
+through ``O_DIRECT`` staging buffers by default (:mod:`ckrun.storage.local_direct`), at
+the disk's limit without filling the page cache.  Where ``O_DIRECT`` is refused (tmpfs)
+or with ``direct=False`` they go through the page cache and start write-back early with
+``sync_file_range(2)`` every :data:`WRITE_BEHIND_BYTES`, waiting for the window before
+the previous one, so the final fsync has little left to do and dirty pages stay bounded.
+Measurements: bench/README.md.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class DirectUnsupported(StorageError):
+    """The filesystem refused ``O_DIRECT`` (e.g. tmpfs); the caller falls back."""
+
+
 class LocalWriter:
     """A streaming write to one key; see :class:`ckrun.storage.base.ObjectWriter`.
 
@@ -68,7 +75,8 @@ class LocalWriter:
         bytes_written: bytes written so far.
     """
 
-    def __init__(self, storage: LocalStorage, key: str, *, write_behind: bool = True):
+    def __init__(self, storage: LocalStorage, key: str, *, write_behind: bool = True,
+                 extra_flags: int = 0):
         self.key = key
         self._storage = storage
         self._final = storage._path(key)
@@ -78,9 +86,12 @@ class LocalWriter:
         self._tmp = os.path.join(d, name)
         try:
             self._fd: int | None = os.open(
-                self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+                self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags,
+                0o644,
             )
         except OSError as e:
+            if extra_flags and e.errno == errno.EINVAL:
+                raise DirectUnsupported(f"{d} does not support O_DIRECT") from e
             raise map_os_error(e, path=self._final) from e
         self.bytes_written = 0
         self._behind = write_behind and _sync_file_range is not None
@@ -176,15 +187,18 @@ class LocalStorage:
         path: the root directory; created (with parents) if missing.
         write_behind: start write-back every :data:`WRITE_BEHIND_BYTES` during streaming
             writes (``sync_file_range``); False leaves it all to the final fsync.
+        direct: streaming writes use ``O_DIRECT`` through aligned staging buffers
+            (:mod:`ckrun.storage.local_direct`); falls back where unsupported.
 
     Raises:
         StorageError: the root cannot be created (``StoragePermissionError`` when
             read-only or denied).
     """
 
-    def __init__(self, path: str, *, write_behind: bool = True):
+    def __init__(self, path: str, *, write_behind: bool = True, direct: bool = True):
         self.url = path
         self.write_behind = write_behind
+        self.direct = direct
         self.root = os.path.abspath(path)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -215,6 +229,13 @@ class LocalStorage:
 
     def open_write(self, key: str) -> LocalWriter:
         """Start a streaming, atomic write to ``key`` (see :class:`LocalWriter`)."""
+        if self.direct:
+            from ckrun.storage.local_direct import DirectWriter
+
+            try:
+                return DirectWriter(self, key)
+            except DirectUnsupported:
+                self.direct = False
         return LocalWriter(self, key, write_behind=self.write_behind)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:

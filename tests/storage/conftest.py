@@ -24,7 +24,14 @@ BACKENDS: list[Any] = ["local", pytest.param("s3", marks=pytest.mark.s3)]
 
 @pytest.fixture
 def local_storage(tmp_path: Path) -> LocalStorage:
+    """The default LocalStorage (O_DIRECT streaming writes where supported)."""
     return LocalStorage(str(tmp_path / "root"))
+
+
+@pytest.fixture
+def local_buffered_storage(tmp_path: Path) -> LocalStorage:
+    """LocalStorage writing through the page cache with sync_file_range write-behind."""
+    return LocalStorage(str(tmp_path / "root"), direct=False)
 
 
 @pytest.fixture(params=BACKENDS)

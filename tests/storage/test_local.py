@@ -69,12 +69,38 @@ def test_enospc_at_nth_write_fault_injection(tmp_path: Path,
         return real_write(fd, data)  # type: ignore[arg-type]
 
     monkeypatch.setattr(local_mod.os, "write", failing_write)
-    w = st.open_write("obj")
+    w = LocalStorage(str(tmp_path / "run"), direct=False).open_write("obj")
     with pytest.raises(StorageFull, match="no space left"):
         for _ in range(5):
             w.write(b"z" * 1000)
     w.abort()
     assert st.head("obj") is None and _files(tmp_path / "run") == []
+    calls["n"] = 0
+    d = st.open_write("obj2")  # the O_DIRECT writer: the error surfaces from its thread
+    with pytest.raises(StorageFull, match="no space left"):
+        for _ in range(5):
+            d.write(b"z" * (16 << 20))
+        d.commit()
+    d.abort()
+    assert st.head("obj2") is None and _files(tmp_path / "run") == []
+
+
+def test_direct_writer_sizes_and_fallback(tmp_path: Path, small_fs: Path) -> None:
+    from ckrun.storage.local_direct import DirectWriter
+
+    st = LocalStorage(str(tmp_path / "run"))
+    for n in (0, 1, 4095, 4096, 4097, (16 << 20) + 3):
+        data = os.urandom(n)
+        w = st.open_write(f"o{n}")
+        assert isinstance(w, DirectWriter)
+        w.write(data[: n // 2])
+        w.write(data[n // 2 :])
+        assert w.commit().size_bytes == n
+        assert st.get(f"o{n}") == data
+    tiny = LocalStorage(str(small_fs / "r"))  # tmpfs: O_DIRECT may be refused → buffered
+    with tiny.open_write("x") as w2:
+        w2.write(b"abc")
+    assert tiny.get("x") == b"abc"
 
 
 def test_killed_writer_leaves_only_an_invisible_temp(tmp_path: Path) -> None:
