@@ -103,7 +103,10 @@ class Supervisor:
 
     def say(self, message: str) -> None:
         """Print one ``[ckrun]`` line."""
-        print(f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}",
+        job = self.job
+        where = f" job {job.job_id}" if job is not None and job.backend != "local" else ""
+        rank = f" rank {job.rank}" if job is not None and job.rank else ""
+        print(f"[ckrun] {self.cfg.run}{where}{rank} attempt {self.events.attempt}: {message}",
               file=self.out, flush=True)
 
     def _handler(self, signum: int, frame: object) -> None:
@@ -296,8 +299,7 @@ class Supervisor:
     def _child_env(self, attempt: int, resume_step: int | None) -> dict[str, str]:
         cfg = self.cfg
         env = dict(os.environ)
-        for k in ("CKRUN_RESUME_STEP", "CKRUN_DRILL_AT_CHECKS_DONE"):
-            env.pop(k, None)
+        env.pop("CKRUN_RESUME_STEP", None)
         root = cfg.run_root
         if is_local_storage(root):
             root = os.path.abspath(root.removeprefix("file://"))
