@@ -334,7 +334,7 @@ class Checkpointer:
         m = Manifest(
             run=self.run, step=step, kind=kind, attempt=self.attempt,
             world_size=self.world_size, shards=(ShardInfo(key, self.rank, size, checksum),),
-            compat=compat, metrics=normalize(dict(metrics or {})),
+            compat=compat, metrics=normalize(dict(metrics or {}), "metrics", lenient=True),
             resumed_from=self.resumed_from, created_utc=created_utc, committed_utc=utc_now(),
             save_duration_s=round(time.monotonic() - started, 6),
             versions={"ckrun": str(compat.get("ckrun_version")), "torch": torch.__version__,

@@ -49,31 +49,40 @@ DEFAULT_POLICY: dict[str, str] = {
 ABSENT: Any = object()  # a path missing on one side; shown as <absent>
 
 
-def normalize(value: Any, path: str = "compat") -> Any:
-    """Turn ``value`` into plain JSON data (dataclasses and mappings to dicts, tuples
-    and sets to lists; other objects to ``str``).
+def normalize(value: Any, path: str = "compat", *, lenient: bool = False) -> Any:
+    """Turn ``value`` into plain JSON data: dataclasses and mappings to dicts, tuples and
+    sets to lists, one-element tensors / numpy scalars to numbers (``.item()``), other
+    objects to ``str``.
+
+    Args:
+        lenient: write non-finite floats as strings (``"nan"``) instead of raising
+            (for metrics: a NaN loss must not fail a save).
 
     Raises:
-        ConfigError: a non-finite float (not representable in strict JSON).
+        ConfigError: a non-finite float when not ``lenient`` (not valid strict JSON).
     """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     if isinstance(value, Mapping):
-        return {str(k): normalize(v, f"{path}.{k}") for k, v in value.items()}
+        return {str(k): normalize(v, f"{path}.{k}", lenient=lenient) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [normalize(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [normalize(v, f"{path}[{i}]", lenient=lenient) for i, v in enumerate(value)]
     if isinstance(value, (set, frozenset)):
         return sorted(str(v) for v in value)
+    if not isinstance(value, (str, bytes)) and callable(getattr(value, "item", None)):
+        try:
+            value = value.item()  # torch / numpy scalars
+        except (ValueError, RuntimeError, TypeError):
+            return str(value)
     if isinstance(value, float) and not math.isfinite(value):
+        if lenient:
+            return repr(value)
         raise ConfigError(f"{path}: {value} is not valid in a compat block; use a string")
-    if value is None or type(value) in (bool, int, float, str):
+    for typ in (bool, int, float):
+        if isinstance(value, typ):
+            return typ(value)
+    if value is None or type(value) is str:
         return value
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
     return str(value)  # str subclasses (torch's TorchVersion) and other objects
 
 

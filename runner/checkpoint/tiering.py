@@ -45,6 +45,7 @@ from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from .. import control
 from ..errors import ConfigError, CorruptCheckpoint, ObjectExists, ObjectNotFound, StorageError
 from ..storage.base import ObjectInfo, ObjectWriter, Storage
+from ..storage.progress import Progress
 from . import layout, retention
 from .discovery import scan
 from .tiering_util import HookedWriter, UploadPolicy
@@ -300,11 +301,13 @@ class TieredStorage:
         ):
             return 0
         crc, n = 0, 0
-        with self.local.open_read(s.key) as src, self.remote.open_write(s.key) as w:
+        bar = Progress(f"upload {s.key}", s.size_bytes)
+        with self.local.open_read(s.key) as src, self.remote.open_write(s.key) as w, bar:
             while chunk := src.read(CHUNK):
                 crc = crc32c.crc32c(chunk, crc)
                 n += len(chunk)
                 w.write(chunk)
+                bar.update(len(chunk))
             if n != s.size_bytes or f"crc32c:{crc:08x}" != s.checksum:
                 raise CorruptCheckpoint(
                     f"local shard {s.key} changed since its commit ({n} bytes, "

@@ -44,12 +44,14 @@ def _shard_path(run_dir: Path, m: ckrun.Manifest) -> str:
 def test_save_load_roundtrip_and_manifest_fields(run_dir: Path) -> None:
     s1 = make_state(1)
     with _ck(run_dir) as ck:
-        m = ck.save(5, s1, metrics={"loss": 0.5})
+        m = ck.save(5, s1, metrics={"loss": 0.5, "nan": float("nan"),
+                                    "t": torch.tensor(2.0), "n": 3})
     assert (m.step, m.kind, m.attempt, m.world_size, m.resumed_from) == (5, "recovery", 0, 1,
                                                                         None)
     assert m.save_duration_s > 0 and m.total_size_bytes == m.shards[0].size_bytes > 0
     assert m.compat["optimizer"] == "AdamW" and m.compat["scheduler"] == "StepLR"
-    assert m.metrics == {"loss": 0.5} and m.committed_utc.endswith("Z")
+    assert m.metrics == {"loss": 0.5, "nan": "nan", "t": 2.0, "n": 3}
+    assert m.committed_utc.endswith("Z")
     assert (run_dir / "checkpoints/step-0000000005/manifest.json").exists()
     s2 = make_state(2)
     assert not params_equal(s1, s2)
