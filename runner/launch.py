@@ -26,7 +26,6 @@ from ckrun.rundir import (
     CANCEL_REQUEST,
     PREEMPT_REQUEST,
     RunDir,
-    SupervisorLock,
     read_json,
     write_json_atomic,
 )
@@ -119,15 +118,26 @@ def locate(name: str, storage: str | None) -> RunDir:
     return rd
 
 
-def supervise(cfg: RunConfig, rundir: RunDir, lock: SupervisorLock,
-              backend: str | None = None) -> int:
-    """Run the supervisor loop for ``cfg`` in this process; returns its exit code."""
+def supervise(cfg: RunConfig, run_name: str, backend: str | None = None, *,
+              frozen: RunConfig | None = None) -> int:
+    """Lock the run (per node rank), freeze ``cfg`` if it changed, run the supervisor loop.
+
+    Returns:
+        The supervisor's exit code.
+
+    Raises:
+        RunLocked: another live supervisor of this rank holds the run.
+    """
     from ckrun.supervisor import Supervisor
 
     sched = scheduler_for(backend or detect_backend(), cfg)
     job = sched.current()
-    sources = list(sched.notice_sources(job)) + build_notice_sources(cfg)
-    return int(Supervisor(cfg, rundir, sched, job, sources, lock=lock).run())
+    rundir = RunDir(cfg.state_root, rank=job.rank if job is not None else 0)
+    with rundir.lock(run_name) as lock:
+        if cfg != frozen and rundir.rank == 0:
+            rundir.freeze(cfg)
+        sources = list(sched.notice_sources(job)) + build_notice_sources(cfg)
+        return int(Supervisor(cfg, rundir, sched, job, sources, lock=lock).run())
 
 
 def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
@@ -168,8 +178,7 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
     rundir.freeze(cfg)
     say(f"run {name}: storage {cfg.run_root}, profile {profile}")
     if local and not detach:
-        with rundir.lock(name) as lock:
-            return supervise(cfg, rundir, lock, "local")
+        return supervise(cfg, name, "local", frozen=cfg)
     job_id = sched.submit(spec)
     write_json_atomic(rundir.job_json, {"backend": cfg.scheduler, "job_id": job_id,
                                         "submitted_utc": iso_utc(utcnow())})
@@ -212,10 +221,7 @@ def run(run_name: str, cli: Mapping[str, Any], command: tuple[str, ...], *,
         allow = tuple(dict.fromkeys((*frozen.allow_change, *cli.get("allow_change", ()))))
         cfg = dataclasses.replace(frozen, command=command or frozen.command, allow_change=allow)
         cfg = reconcile(frozen, cfg)
-    with rundir.lock(run_name) as lock:
-        if cfg != frozen:
-            rundir.freeze(cfg)
-        return supervise(cfg, rundir, lock, scheduler)
+    return supervise(cfg, run_name, scheduler, frozen=frozen)
 
 
 def _signal_holder(holder: dict[str, Any]) -> str:

@@ -102,19 +102,30 @@ class SupervisorLock:
 
 
 class RunDir:
-    """Paths and helpers of one run's state directory ``root``."""
+    """Paths and helpers of one run's state directory ``root``.
 
-    def __init__(self, root: str) -> None:
+    Args:
+        root: the state directory.
+        rank: the supervisor's node rank.  On a multi-node job every node runs a
+            supervisor on the same (shared) state directory; ranks other than 0 get their
+            own lock, control directory and event log (``locks/supervisor-rank1.lock``,
+            ``control/rank1/``, ``events-rank1.jsonl``) so they neither refuse each other
+            nor clear each other's notices.
+    """
+
+    def __init__(self, root: str, rank: int = 0) -> None:
         self.root = os.path.abspath(root)
+        self.rank = rank
+        sfx = f"-rank{rank}" if rank else ""
         self.run_json = os.path.join(self.root, "run.json")
-        self.events_path = os.path.join(self.root, "events.jsonl")
+        self.events_path = os.path.join(self.root, f"events{sfx}.jsonl")
         self.log_path = os.path.join(self.root, "supervisor.log")
         self.job_json = os.path.join(self.root, "job.json")
         self.cancelled_path = os.path.join(self.root, "cancelled.json")
-        self.control_dir = os.path.join(self.root, "control")
+        self.control_dir = os.path.join(self.root, "control", *([f"rank{rank}"] if rank else []))
         self.locks_dir = os.path.join(self.root, "locks")
-        self.lock_path = os.path.join(self.locks_dir, "supervisor.lock")
-        self.holder_path = os.path.join(self.locks_dir, "supervisor.json")
+        self.lock_path = os.path.join(self.locks_dir, f"supervisor{sfx}.lock")
+        self.holder_path = os.path.join(self.locks_dir, f"supervisor{sfx}.json")
 
     def create(self) -> None:
         """Create the directory tree (idempotent)."""
@@ -163,7 +174,7 @@ class RunDir:
                 holder=holder,
             ) from e
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt,
-                  "run": run, "started_utc": iso_utc(utcnow())}
+                  "run": run, "rank": self.rank, "started_utc": iso_utc(utcnow())}
         held = SupervisorLock(self, lock, holder)
         held.update()
         return held
