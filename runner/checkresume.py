@@ -1,0 +1,291 @@
+"""``ckrun check-resume``: prove that a training command resumes exactly.
+
+Procedure:
+
+1. run the command once, uninterrupted, under the supervisor (run ``uninterrupted``);
+2. read its final checkpoint's step ``F`` and draw ``K`` distinct random steps in
+   ``[0, F)``;
+3. run it again (run ``interrupted``) with a drill notice at each of those steps: the
+   library publishes the notice on the chosen call of ``ckrun.preemption_requested()``
+   (``CKRUN_DRILL_AT_CHECKS``, one count per attempt), the child commits its emergency
+   checkpoint and exits 75, the supervisor verifies the commit and restarts it, and the
+   next attempt resumes;
+4. compare the two final checkpoints entry by entry (``torch.equal``), in causal order —
+   data position and LR schedule first, RNG next, then model and optimizer — and report
+   PASS or the first diverging entry with its max abs diff and the usual cause.
+
+This assumes the command calls ``preemption_requested()`` once per training step (as
+the README's loop does); with more calls per step the drills land on other steps, which
+changes nothing about the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckrun.errors import CheckpointError, CkrunError
+
+UNINTERRUPTED = "uninterrupted"
+INTERRUPTED = "interrupted"
+
+# Entry-path prefixes in causal order, with the usual cause of a divergence there.
+_HINTS: list[tuple[str, str]] = [
+    ("step", "the runs ended on different steps: the loop's start step after load() "
+             "must be manifest.step + 1"),
+    ("user.sampler", "the data order differs after resume: put a resumable sampler "
+                     "(ckrun.ResumableSampler or a StatefulDataLoader) in `state` and do not "
+                     "re-seed or re-create it after load()"),
+    ("user.scheduler", "the LR schedule differs: include the scheduler in `state` and do "
+                       "not step it on resume"),
+    ("user.scaler", "the AMP GradScaler state differs: include the scaler in `state`"),
+    ("user.optimizer.param_groups", "the learning rate or another optimizer "
+                                    "hyper-parameter differs: the LR scheduler is not in "
+                                    "`state`, or it is stepped again on resume"),
+    ("user.model", "the parameters diverged after a resume: something the loop depends on "
+                   "is not restored — the data order (put a ckrun.ResumableSampler or a "
+                   "StatefulDataLoader in `state`), RNG draws made between load() and the "
+                   "first step, a generator of your own — or kernels are non-deterministic "
+                   "(torch.use_deterministic_algorithms(True))"),
+    ("user.optimizer", "the optimizer state differs: include the optimizer in `state` and "
+                       "load it before the first step"),
+    ("user", "a value in `state` differs after resume: make sure everything the loop "
+             "mutates is in `state`"),
+    ("rng", "an RNG state differs"),
+]
+
+
+@dataclass
+class Divergence:
+    """The first entry that differs between the two final states."""
+
+    path: str
+    detail: str
+    hint: str
+
+
+@dataclass
+class CheckResult:
+    """Outcome of :func:`check_resume`.
+
+    Attributes:
+        passed: every compared entry is identical.
+        interrupt_steps: the steps at which drills were requested.
+        preemptions: preemptions the interrupted run actually went through.
+        compared: number of entries compared.
+        divergence: the first diverging entry, when not passed.
+        workdir: where both runs' storage lives.
+        seed: the seed the steps were drawn with (``--seed`` replays them).
+        notes: remarks, e.g. drills that did not lead to a preemption.
+    """
+
+    passed: bool
+    interrupt_steps: list[int]
+    preemptions: int
+    compared: int
+    divergence: Divergence | None = None
+    workdir: str = ""
+    seed: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Yield ``(dotted.path, leaf)`` for every leaf of nested dicts / lists / tuples."""
+    if isinstance(tree, Mapping):
+        for k in sorted(tree, key=str):
+            yield from flatten(tree[k], f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from flatten(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, tree
+
+
+def _rank(path: str) -> int:
+    for i, (p, _) in enumerate(_HINTS):
+        if path == p or path.startswith(p + "."):
+            return i
+    return len(_HINTS)
+
+
+def _hint(path: str) -> str:
+    i = _rank(path)
+    return _HINTS[i][1] if i < len(_HINTS) else "this entry differs after resume"
+
+
+def _differs(a: Any, b: Any) -> str | None:
+    """None when equal, else a one-line description of the difference."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"type {type(a).__name__} vs {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        if torch.equal(a, b):
+            return None
+        if a.is_floating_point() or a.is_complex():
+            d = (a.double() - b.double()).abs().max().item()
+            return f"max abs diff {d:.3g}"
+        n = int((a != b).sum().item())
+        return f"{n} of {a.numel()} elements differ"
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(a, np.ndarray):
+        return None if np.array_equal(a, b) else "numpy arrays differ"
+    return None if a == b else f"{a!r} vs {b!r}"
+
+
+def compare_trees(ref: Mapping[str, Any],
+                  got: Mapping[str, Any]) -> tuple[int, Divergence | None, list[str]]:
+    """Compare two loaded run-state trees entry by entry, in causal order.
+
+    Only the training outcome decides: the step and every entry of the user's state.
+    RNG states are diagnostics — a generator that was never seeded (numpy's global one
+    in most scripts) differs between any two processes without changing the result —
+    so their differences are returned separately, as evidence for the hint.
+
+    Returns:
+        ``(entries compared, first diverging outcome entry or None, RNG paths that
+        differ)``.
+    """
+    a, b = dict(flatten(ref)), dict(flatten(got))
+    paths = sorted(a.keys() | b.keys(), key=lambda p: (_rank(p), p))
+    first: Divergence | None = None
+    rng: list[str] = []
+    for p in paths:
+        if p not in a or p not in b:
+            side = "interrupted" if p not in a else "uninterrupted"
+            d: str | None = f"only in the {side} run"
+        else:
+            d = _differs(a[p], b[p])
+        if d is None:
+            continue
+        if p == "rng" or p.startswith("rng."):
+            rng.append(p)
+        elif first is None:
+            first = Divergence(p, d, _hint(p))
+    return len(paths), first, rng
+
+
+def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
+    """The final checkpoint of a run: ``(step, tree)`` with ``step`` added to the tree.
+
+    Raises:
+        CheckpointError: the run has no final checkpoint (it did not complete).
+    """
+    from ckrun.checkpoint import discovery
+    from ckrun.checkpoint import format as fmt
+    from ckrun.storage import open_storage
+
+    storage = open_storage(run_root)
+    finals = [m for m in discovery.committed(storage) if m.kind == "final"]
+    if not finals:
+        raise CheckpointError(f"{run_root} has no final checkpoint: the run did not complete "
+                              "(see its events.jsonl and the output above)")
+    m = finals[0]
+    tree: dict[str, Any] = {"step": m.step}
+    for s in sorted(m.shards, key=lambda s: s.rank):
+        with storage.open_read(s.key) as f:
+            shard = fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+        tree.update(shard if m.world_size == 1 else {f"rank{s.rank}": shard})
+    return m.step, tree
+
+
+def _rng_names(paths: Sequence[str]) -> list[str]:
+    return [".".join(p.split(".")[:2]) for p in paths]
+
+
+def drill_counts(steps: Sequence[int]) -> list[int]:
+    """Per-attempt check counts for drills at the sorted global ``steps``.
+
+    Attempt 0 starts at step 0, so its drill is on check ``steps[0] + 1``; attempt i
+    resumes at ``steps[i-1] + 1``, so its drill is on check ``steps[i] - steps[i-1]``.
+    """
+    out, prev = [], -1
+    for s in steps:
+        out.append(s - prev)
+        prev = s
+    return out
+
+
+def _supervise(run: str, storage: str, command: Sequence[str], env: Mapping[str, str],
+               log_path: str, timeout_s: float) -> int:
+    argv = [sys.executable, "-m", "ckrun", "run", "--run", run, "--storage", storage,
+            "--", *command]
+    env = {"CKRUN_MAX_REQUEUES": "1000", **env}
+    with open(log_path, "w") as log:
+        p = subprocess.run(argv, env={**os.environ, **env}, stdout=log,
+                           stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+    return p.returncode
+
+
+def _preemptions(run_root: str) -> int:
+    n = 0
+    try:
+        with open(os.path.join(run_root, "events.jsonl")) as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("kind") == "preempted":
+                    n += 1
+    except OSError:
+        pass
+    return n
+
+
+def check_resume(command: Sequence[str], *, interruptions: int = 3, seed: int | None = None,
+                 workdir: str | None = None, timeout_s: float = 3600.0,
+                 echo: Any = print) -> CheckResult:
+    """Run ``command`` uninterrupted and with ``interruptions`` preemptions; compare.
+
+    Args:
+        command: the training command (argv).
+        interruptions: K, the number of preemptions at random steps.
+        seed: seed for drawing the steps (reported, so a failure can be replayed).
+        workdir: where both runs' storage goes (default: a new temp dir, kept).
+        timeout_s: limit for each of the two runs, in seconds.
+        echo: callable taking one line, for progress output.
+
+    Raises:
+        CkrunError: a run failed (its exit status and log path are named).
+    """
+    workdir = workdir or tempfile.mkdtemp(prefix="ckrun-check-resume-")
+    os.makedirs(workdir, exist_ok=True)
+    seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+    echo(f"[ckrun] check-resume: workdir {workdir}, seed {seed}")
+    echo(f"[ckrun] check-resume: 1/2 uninterrupted run ({' '.join(command)})")
+    rc = _supervise(UNINTERRUPTED, workdir, command, {},
+                    os.path.join(workdir, "uninterrupted.log"), timeout_s)
+    if rc != 0:
+        raise CkrunError(f"the uninterrupted run exited {rc}; see "
+                         f"{os.path.join(workdir, 'uninterrupted.log')}")
+    final_step, ref = load_final(os.path.join(workdir, UNINTERRUPTED))
+    k = max(0, min(interruptions, final_step))
+    steps = sorted(random.Random(seed).sample(range(final_step), k)) if k else []
+    echo(f"[ckrun] check-resume: 2/2 run with {k} preemptions at steps "
+         f"{', '.join(map(str, steps)) or '-'}")
+    env = {"CKRUN_DRILL_AT_CHECKS": ",".join(map(str, drill_counts(steps)))}
+    rc = _supervise(INTERRUPTED, workdir, command, env,
+                    os.path.join(workdir, "interrupted.log"), timeout_s)
+    if rc != 0:
+        raise CkrunError(f"the interrupted run exited {rc}; see "
+                         f"{os.path.join(workdir, 'interrupted.log')}")
+    _, got = load_final(os.path.join(workdir, INTERRUPTED))
+    n_pre = _preemptions(os.path.join(workdir, INTERRUPTED))
+    compared, div, rng = compare_trees(ref, got)
+    if div is not None and rng:
+        div.hint += f" (RNG states that also differ: {', '.join(sorted(set(_rng_names(rng))))})"
+    res = CheckResult(div is None, steps, n_pre, compared, div, workdir, seed)
+    if n_pre < k:
+        res.notes.append(f"only {n_pre} of {k} drills led to a preemption: does the command "
+                         "call ckrun.preemption_requested() every step?")
+    return res
