@@ -138,6 +138,8 @@ class Supervisor:
         """
         restore = self._install()
         subreaper = process.become_subreaper()
+        for stale in (PREEMPT_REQUEST, CANCEL_REQUEST):  # left by a dead supervisor
+            self.rundir.take_request(stale)
         self.state = dataclasses.replace(self.state, attempt=self._prior_attempts())
         self.events.attempt = self.state.attempt
         self.events.append("supervisor_start", pid=os.getpid(), subreaper=subreaper,
@@ -258,7 +260,7 @@ class Supervisor:
             return self._spawn(a)
         elif isinstance(a, sm.WriteNotice):
             n = self._last_notice
-            detail = dict(n.detail) if n is not None else {}
+            detail = dict(n.detail) if n is not None and n.source == a.source else {}
             control.write_notice(self.rundir.control_dir,
                                  Notice.with_lead(a.kind, a.source, a.seconds_left, detail))
         elif isinstance(a, sm.Deliver) and self.child is not None:
