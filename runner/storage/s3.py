@@ -36,6 +36,7 @@ from ckrun.errors import (
     map_os_error,
 )
 from ckrun.storage.base import ObjectInfo, validate_key
+from ckrun.storage.progress import Progress
 from ckrun.storage.s3_io import (
     CRC_META,
     CheckedReader,
@@ -216,7 +217,8 @@ class S3Storage:
             f = open(path, "rb")  # noqa: SIM115 - closed below
         except OSError as exc:
             raise map_os_error(exc, path=path) from exc
-        with f, self.open_write(key) as w:
+        size = os.fstat(f.fileno()).st_size
+        with f, self.open_write(key) as w, Progress(f"upload {key}", size) as bar:
             while True:
                 try:
                     data = f.read(chunk)
@@ -225,6 +227,7 @@ class S3Storage:
                 if not data:
                     break
                 w.write(data)
+                bar.update(len(data))
         return ObjectInfo(key, w.bytes_written, time.time())
 
     # -- reads ------------------------------------------------------------------------
@@ -269,13 +272,16 @@ class S3Storage:
         tmp = os.path.join(d, f".ckrun-tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             os.makedirs(d, exist_ok=True)
-            with self.open_read(key) as src, open(tmp, "wb") as dst:
+            info = self.head(key)
+            bar = Progress(f"download {key}", info.size_bytes if info else 0)
+            with self.open_read(key) as src, open(tmp, "wb") as dst, bar:
                 while True:
                     buf = src.read(self.options.multipart_chunk_bytes)
                     if not buf:
                         break
                     self.limiter.acquire(len(buf))
                     dst.write(buf)
+                    bar.update(len(buf))
                 dst.flush()
                 os.fsync(dst.fileno())
             os.replace(tmp, path)
