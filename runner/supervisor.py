@@ -103,10 +103,7 @@ class Supervisor:
 
     def say(self, message: str) -> None:
         """Print one ``[ckrun]`` line."""
-        job = self.job
-        where = f" job {job.job_id}" if job is not None and job.backend != "local" else ""
-        rank = f" rank {job.rank}" if job is not None and job.rank else ""
-        print(f"[ckrun] {self.cfg.run}{where}{rank} attempt {self.events.attempt}: {message}",
+        print(f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}",
               file=self.out, flush=True)
 
     def _handler(self, signum: int, frame: object) -> None:
@@ -142,8 +139,13 @@ class Supervisor:
             self.rundir.take_request(stale)
         self.state = dataclasses.replace(self.state, attempt=self._prior_attempts())
         self.events.attempt = self.state.attempt
+        job = self.job
         self.events.append("supervisor_start", pid=os.getpid(), subreaper=subreaper,
-                           backend=self.scheduler.name, launch_hash=self.cfg.launch_hash())
+                           backend=self.scheduler.name, launch_hash=self.cfg.launch_hash(),
+                           job_id=job.job_id if job else None, rank=job.rank if job else 0)
+        if job is not None and job.backend != "local":
+            self.say(f"supervising {job.backend} job {job.job_id} rank {job.rank} "
+                     f"(pid {os.getpid()})")
         try:
             self._queue.append(self._preflight())
             while True:
