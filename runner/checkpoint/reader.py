@@ -40,7 +40,7 @@ from ckrun.errors import CheckpointError, CorruptCheckpoint
 READ_CHUNK = 8 << 20
 READ_BATCH = 64 << 20
 READ_IOV = 512
-READ_THREADS = 2
+READ_THREADS = min(4, max(2, os.cpu_count() or 2))
 PARALLEL_MIN_BYTES = 32 << 20
 
 
