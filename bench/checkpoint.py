@@ -196,15 +196,22 @@ def run(size_gib: float, root: str) -> dict[str, Any]:
     rows["cache_drop"] = drop_cache(files)
     ld["cold read (file → reused buffer)"] = timed(lambda: cold_read(shard))[0]
 
-    def tload(mmap_: bool) -> None:
+    def tload(mmap_: bool, touch: bool = False) -> None:
         sd = torch.load(f"{root}/torch.pt", weights_only=True, mmap=mmap_)
         state["model"].load_state_dict(sd["model"])
         state["optimizer"].load_state_dict(sd["optimizer"])
+        if touch:  # mmap is lazy: read one element per 4 KiB page of the optimizer state
+            for st in state["optimizer"].state.values():
+                for v in st.values():
+                    if torch.is_tensor(v) and v.numel() > 1:
+                        v.view(-1)[:: 4096 // v.element_size()].sum()
 
     drop_cache(files)
     ld["torch.load(weights_only) → model+opt"] = timed(lambda: tload(False))[0]
     drop_cache(files)
     ld["torch.load(mmap=True) → model+opt"] = timed(lambda: tload(True))[0]
+    drop_cache(files)
+    ld["torch.load(mmap=True) → model+opt, pages touched"] = timed(lambda: tload(True, True))[0]
     drop_cache(files)
     loader = ckrun.Checkpointer(storage=f"{root}/ckrun", rng=False, lock=False)
     ld["ckrun load → model+opt"] = timed(lambda: loader.load(state))[0]
