@@ -107,18 +107,21 @@ class S3Writer:
         """
         if self._done:
             raise StorageError(f"write to {self.key} after commit/abort")
-        n = len(memoryview(data).cast("B"))
-        self.crc = crc32c.crc32c(data, self.crc)
-        self._buf += data
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        self.crc = crc32c.crc32c(mv, self.crc)
+        self._buf += mv
         self.bytes_written += n
         opts = self._s.options
         if self._upload_id is None and len(self._buf) <= opts.multipart_threshold_bytes:
             return n
+        chunk, off = opts.multipart_chunk_bytes, 0
         try:
-            while len(self._buf) >= opts.multipart_chunk_bytes:
-                part = bytes(self._buf[: opts.multipart_chunk_bytes])
-                del self._buf[: opts.multipart_chunk_bytes]
-                self._submit(part)
+            with memoryview(self._buf) as view:  # one copy per part, into its bytes
+                while len(view) - off >= chunk:
+                    self._submit(bytes(view[off : off + chunk]))
+                    off += chunk
+            del self._buf[:off]  # O(1) in CPython: the bytearray moves its start
         except BaseException:
             self.abort()
             raise
