@@ -36,8 +36,11 @@ from ckrun.scheduler.base import JobInfo, JobSpec, JobState, RequeueOutcome
 from ckrun.scheduler.slurm_options import Options, options_from_mapping
 from ckrun.scheduler.slurm_watch import (
     TimeLimitWatcher,
+    map_state,
     parse_job_record,
     parse_slurm_time,
+    requeue_fix,
+    storage_base,
     validate_job_id,
 )
 
@@ -51,22 +54,6 @@ LEAD_ENV = "CKRUN_LEAD_S"
 SIGNAL_ENV = "CKRUN_NOTICE_SIGNAL"
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CMD_TIMEOUT_S = 60.0
-
-# Slurm job states (squeue(1) "JOB STATE CODES") -> JobState.  PREEMPTED stays its own.
-_STATE_MAP = {
-    "PENDING": JobState.PENDING, "CONFIGURING": JobState.RUNNING,
-    "RUNNING": JobState.RUNNING, "COMPLETING": JobState.RUNNING,
-    "SUSPENDED": JobState.PENDING, "STOPPED": JobState.PENDING,
-    "RESV_DEL_HOLD": JobState.PENDING, "SIGNALING": JobState.RUNNING,
-    "STAGE_OUT": JobState.RUNNING, "RESIZING": JobState.RUNNING,
-    "REQUEUED": JobState.REQUEUED, "REQUEUE_HOLD": JobState.REQUEUED,
-    "REQUEUE_FED": JobState.REQUEUED, "PREEMPTED": JobState.PREEMPTED,
-    "COMPLETED": JobState.COMPLETED, "CANCELLED": JobState.CANCELLED,
-    "REVOKED": JobState.CANCELLED, "TIMEOUT": JobState.TIMEOUT,
-    "DEADLINE": JobState.TIMEOUT, "FAILED": JobState.FAILED,
-    "NODE_FAIL": JobState.FAILED, "BOOT_FAIL": JobState.FAILED,
-    "OUT_OF_MEMORY": JobState.FAILED, "SPECIAL_EXIT": JobState.FAILED,
-}  # fmt: skip
 
 
 class SlurmScheduler:
@@ -249,8 +236,28 @@ class SlurmScheduler:
                 continue
             words = proc.stdout.split()
             if proc.returncode == 0 and words:
-                return _STATE_MAP.get(words[0].upper(), JobState.UNKNOWN)
+                return map_state(words[0])
         return JobState.UNKNOWN
+
+    def describe(self, job_id: str) -> dict[str, Any]:
+        """What ``ckrun status`` shows next to ckrun's own record of the run.
+
+        Returns:
+            ``job_id``; ``state`` (a :class:`JobState` value, PREEMPTED kept apart from
+            FAILED); and, while Slurm remembers the job (``MinJobAge``), ``slurm_state``,
+            ``restarts``, ``reason``, ``time_limit`` and ``end_utc`` (else None).
+        """
+        jid = validate_job_id(job_id)
+        rec = self.job_record(jid)
+        return {
+            "job_id": jid,
+            "state": self.status(jid).value,
+            "slurm_state": rec.get("JobState"),
+            "restarts": _int(rec.get("Restarts"), 0) if rec else None,
+            "reason": rec.get("Reason"),
+            "time_limit": rec.get("TimeLimit"),
+            "end_utc": _iso(parse_slurm_time(rec.get("EndTime", ""))),
+        }
 
     def cancel(self, job_id: str) -> None:
         """``scancel JOB``; idempotent (a finished or unknown job is not an error).
@@ -340,7 +347,7 @@ class SlurmScheduler:
         if verdict != "already":
             msg = self._scontrol_requeue(jid)
             if msg is not None and self._requeue_verdict(jid, job.attempt) != "already":
-                raise RequeueError(_requeue_fix(jid, msg))
+                raise RequeueError(requeue_fix(jid, msg))
         self._requeued.add(jid)
         return RequeueOutcome.REQUEUED
 
@@ -375,32 +382,6 @@ class SlurmScheduler:
         if state == "CANCELLED" or (state == "COMPLETING" and rec.get("Reason") != "TimeLimit"):
             return "cancelled"
         return "requeue"
-
-
-def storage_base(run_root: str, run: str) -> str:
-    """``run_root`` less its trailing ``/run`` (``ckrun run`` appends the name itself)."""
-    root = run_root.rstrip("/")
-    suffix = "/" + run
-    return root[: -len(suffix)] if root.endswith(suffix) and len(root) > len(suffix) else root
-
-
-def _requeue_fix(jid: str, msg: str) -> str:
-    low = msg.lower()
-    if "disabled" in low:
-        fix = (
-            "the job is not requeueable (--no-requeue, or JobRequeue=0 without --requeue): "
-            "submit with `#SBATCH --requeue` (ckrun's profile sets requeue: true)"
-        )
-    elif "access" in low or "permission" in low:
-        fix = "this user may not requeue the job; ask the site to allow it or run as its owner"
-    elif "finished" in low or "invalid job id" in low or "completed" in low:
-        fix = "the job already ended (cancelled?); resubmit the same script to resume"
-    else:
-        fix = "check `scontrol show job` and the slurmctld log"
-    return (
-        f"scontrol requeue {jid} refused: {msg or 'no message'}; {fix}. The checkpoint is "
-        "committed: resubmitting the same job resumes from it"
-    )
 
 
 def _script_executor(folder: str, script: str, nodes: int) -> Any:

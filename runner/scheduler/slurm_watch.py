@@ -1,5 +1,5 @@
-"""Slurm helpers without side effects on the cluster: ids, time strings, job records, and
-the time-limit watcher (a :class:`~ckrun.notices.NoticeSource`).
+"""Slurm helpers without side effects on the cluster: ids, time strings, job records,
+states, messages, and the time-limit watcher (a :class:`~ckrun.notices.NoticeSource`).
 
 Slurm prints times in the controller's local time without a zone (``EndTime=...`` in
 ``scontrol show job``, ``%e`` in ``squeue``); :func:`parse_slurm_time` reads them in the
@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from ckrun.errors import ConfigError
 from ckrun.notices import TIME_LIMIT, Notice, iso_utc, utcnow
+from ckrun.scheduler.base import JobState
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,55 @@ def parse_job_record(text: str) -> dict[str, str]:
         if sep and key and key not in rec:
             rec[key] = value
     return rec
+
+
+# Slurm job states (squeue(1) "JOB STATE CODES") -> JobState.  PREEMPTED stays its own.
+_STATE_MAP = {
+    "PENDING": JobState.PENDING, "CONFIGURING": JobState.RUNNING,
+    "RUNNING": JobState.RUNNING, "COMPLETING": JobState.RUNNING,
+    "SUSPENDED": JobState.PENDING, "STOPPED": JobState.PENDING,
+    "RESV_DEL_HOLD": JobState.PENDING, "SIGNALING": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING, "RESIZING": JobState.RUNNING,
+    "REQUEUED": JobState.REQUEUED, "REQUEUE_HOLD": JobState.REQUEUED,
+    "REQUEUE_FED": JobState.REQUEUED, "PREEMPTED": JobState.PREEMPTED,
+    "COMPLETED": JobState.COMPLETED, "CANCELLED": JobState.CANCELLED,
+    "REVOKED": JobState.CANCELLED, "TIMEOUT": JobState.TIMEOUT,
+    "DEADLINE": JobState.TIMEOUT, "FAILED": JobState.FAILED,
+    "NODE_FAIL": JobState.FAILED, "BOOT_FAIL": JobState.FAILED,
+    "OUT_OF_MEMORY": JobState.FAILED, "SPECIAL_EXIT": JobState.FAILED,
+}  # fmt: skip
+
+
+def map_state(slurm_state: str) -> JobState:
+    """A Slurm state word (``squeue %T``, sacct ``State``) as a :class:`JobState`."""
+    return _STATE_MAP.get(slurm_state.strip().upper(), JobState.UNKNOWN)
+
+
+def storage_base(run_root: str, run: str) -> str:
+    """``run_root`` less its trailing ``/run`` (``ckrun run`` appends the name itself)."""
+    root = run_root.rstrip("/")
+    suffix = "/" + run
+    return root[: -len(suffix)] if root.endswith(suffix) and len(root) > len(suffix) else root
+
+
+def requeue_fix(jid: str, msg: str) -> str:
+    """The RequeueError message for Slurm's refusal ``msg``: the problem and the fix."""
+    low = msg.lower()
+    if "disabled" in low:
+        fix = (
+            "the job is not requeueable (--no-requeue, or JobRequeue=0 without --requeue): "
+            "submit with `#SBATCH --requeue` (ckrun's profile sets requeue: true)"
+        )
+    elif "access" in low or "permission" in low:
+        fix = "this user may not requeue the job; ask the site to allow it or run as its owner"
+    elif "finished" in low or "invalid job id" in low or "completed" in low:
+        fix = "the job already ended (cancelled?); resubmit the same script to resume"
+    else:
+        fix = "check `scontrol show job` and the slurmctld log"
+    return (
+        f"scontrol requeue {jid} refused: {msg or 'no message'}; {fix}. The checkpoint is "
+        "committed: resubmitting the same job resumes from it"
+    )
 
 
 class TimeLimitWatcher:

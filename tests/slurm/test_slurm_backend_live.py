@@ -69,6 +69,8 @@ def test_submitit_path_watcher_and_requeue(cluster, tmp_path, cancel_jobs) -> No
     assert a0["sigterm_after_return_s"] is not None and a0["sigterm_after_return_s"] < 2
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1"
     assert sched.status(job_id) == JobState.COMPLETED
+    info = sched.describe(job_id)
+    assert (info["state"], info["slurm_state"], info["restarts"]) == ("COMPLETED", "COMPLETED", 1)
     log = (tmp_path / "logs" / f"{job_id}_0_log.out").read_text()
     assert f"probe attempt 0 of {job_id}" in log and f"probe attempt 1 of {job_id}" in log
 

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from ckrun.errors import ConfigError, ExitCode, RequeueError
 from ckrun.notices import TIME_LIMIT
-from ckrun.scheduler.base import JobInfo, RequeueOutcome, Scheduler
+from ckrun.scheduler.base import JobInfo, JobState, RequeueOutcome, Scheduler
 from ckrun.scheduler.slurm import Options, SlurmScheduler
 from ckrun.scheduler.slurm_watch import (
     TimeLimitWatcher,
+    map_state,
     parse_job_record,
     parse_slurm_time,
     parse_time_limit_s,
@@ -258,3 +259,15 @@ def test_lead_from_env_when_no_options(tmp_path: Path) -> None:
     assert SlurmScheduler(Options(lead_s=50), env=_env(tmp_path, CKRUN_LEAD_S="33")).lead_s == 50
     with pytest.raises(ConfigError, match="whole seconds"):
         SlurmScheduler(env=_env(tmp_path, CKRUN_LEAD_S="2m"))
+
+
+@pytest.mark.parametrize(
+    ("word", "state"),
+    [("PREEMPTED", JobState.PREEMPTED), ("FAILED", JobState.FAILED),
+     ("REQUEUED", JobState.REQUEUED), ("requeue_hold", JobState.REQUEUED),
+     ("COMPLETING", JobState.RUNNING), ("TIMEOUT", JobState.TIMEOUT),
+     ("CANCELLED", JobState.CANCELLED), ("OUT_OF_MEMORY", JobState.FAILED),
+     ("PENDING", JobState.PENDING), ("WHATEVER", JobState.UNKNOWN)],
+)  # fmt: skip
+def test_map_state_keeps_preempted_apart(word: str, state: JobState) -> None:
+    assert map_state(word) == state
