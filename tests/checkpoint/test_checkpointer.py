@@ -330,3 +330,22 @@ def test_load_into_a_different_model_names_the_key(run_dir: Path) -> None:
         ck.save(1, make_state(width=16))
     with _ck(run_dir) as ck2, pytest.raises(ckrun.CheckpointError, match="'model'"):
         ck2.load(make_state(width=32))
+
+
+def test_save_handle_and_snapshot_persist_split(run_dir: Path) -> None:
+    s = make_state()
+    with _ck(run_dir) as ck:
+        h = ckrun.SaveHandle.completed(ck.save(1, s))
+        assert h.done() and h.result().step == 1
+        snap = ck.snapshot(s, copy=True)  # step 1 of a save, independent of training
+        with torch.no_grad():
+            for p in s["model"].parameters():
+                p.add_(1)
+        import time as _t
+
+        m = ck.persist(2, snap, kind="recovery", compat=ck.compat_block(s), metrics=None,
+                       created_utc="2026-01-01T00:00:00.000000Z", started=_t.monotonic())
+    s2 = make_state(9)
+    with _ck(run_dir) as ck2:
+        assert ck2.load(s2).step == m.step == 2  # type: ignore[union-attr]
+    assert not params_equal(s, s2)  # the snapshot predates the in-place update

@@ -66,3 +66,21 @@ def test_ls_and_verify_report_damage(run_dir: Path) -> None:
     assert "damaged" in r.output and "invalid" in r.output
     r = CliRunner().invoke(verify, [str(run_dir)])
     assert r.exit_code == 5 and "size 5 bytes" in r.output and "INVALID" in r.output
+
+
+def test_ls_and_verify_do_not_import_torch(run_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    _run(run_dir)
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from ckrun.cli_checkpoint import ls, verify\n"
+        f"assert CliRunner().invoke(ls, [{str(run_dir)!r}]).exit_code == 0\n"
+        f"assert CliRunner().invoke(verify, [{str(run_dir)!r}]).exit_code == 0\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
