@@ -19,7 +19,7 @@ from ckrun.storage.local import LocalStorage
 # S3 backend: moto's server on 127.0.0.1 (s3_server.py, owned by the spot/S3 work).
 from s3_server import fault_proxy, moto_s3, s3_storage  # noqa: F401
 
-BACKENDS: list[Any] = ["local", pytest.param("s3", marks=pytest.mark.s3)]
+BACKENDS: list[Any] = ["local", "local_buffered", pytest.param("s3", marks=pytest.mark.s3)]
 
 
 @pytest.fixture
