@@ -24,7 +24,12 @@ from typing import Any
 import click
 from ckrun.errors import CkrunError, ExitCode, IncompatibleCheckpoint
 
+#: ``ckrun run``: everything after the first positional is the command.
 _CMD = {"ignore_unknown_options": True, "allow_interspersed_args": False}
+#: ``ckrun submit``: ckrun's options may come before or after the script; unknown options
+#: go to the script; after ``--`` everything is the script's (use it when a script option
+#: has the name of a ckrun option, e.g. ``--storage``).
+_SUBMIT = {"ignore_unknown_options": True, "allow_interspersed_args": True}
 
 
 def _command(args: tuple[str, ...]) -> tuple[str, ...]:
@@ -101,7 +106,7 @@ _allow_opt = click.option("--allow-change", "allow_change", multiple=True, metav
                           help="Compat field allowed to differ on resume (repeatable).")
 
 
-@main_group.command(context_settings=_CMD)
+@main_group.command(context_settings=_SUBMIT)
 @click.option("--profile", default="local", show_default=True, help="Profile name.")
 @click.option("--run", "run_name", default=None, help="Run name [script name + UTC time].")
 @_storage_opt
@@ -120,8 +125,10 @@ def submit(profile: str, run_name: str | None, storage: str | None, detach: bool
            dry_run: bool, max_requeues: int | None, max_failures: int | None,
            grace: str | None, allow_change: tuple[str, ...], chaos_preempt_every: str | None,
            settings: tuple[str, ...], args: tuple[str, ...]) -> int:
-    """Submit a training command: `ckrun submit [OPTIONS] train.py [ARGS]...` or
-    `ckrun submit [OPTIONS] -- CMD [ARGS]...` (options go before the command)."""
+    """Submit a training command: `ckrun submit train.py [ARGS]...` or `-- CMD [ARGS]...`.
+
+    ckrun's options may come before or after the script; the script's own arguments go
+    after `--` (e.g. `ckrun submit train.py --run r1 -- --steps 600`)."""
     from ckrun import launch
 
     cli = _settings(settings)
