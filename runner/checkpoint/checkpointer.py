@@ -127,7 +127,7 @@ class Checkpointer:
         self._state_compat: dict[str, Any] = {}
         self._drift: list[str] = []
         self._verified: set[str] = set()
-        self._last: Manifest | None = None
+        self._written: Manifest | None = None  # the last manifest this process committed
         self._complete = False
         self._lock = WriterLock(self.storage, run=self.run, attempt=self.attempt) if lock else None
 
@@ -219,7 +219,7 @@ class Checkpointer:
                 self.skipped.append(msg)
                 continue
             restore(state, tree, where=f"checkpoint step {m.step}")
-            self.resumed_from, self._drift, self._last = m.step, drift, m
+            self.resumed_from, self._drift = m.step, drift
             self._verified.add(m.key)
             if self.resume_step is not None and self.resume_step != m.step:
                 log.warning("resumed step %d, the supervisor expected %d", m.step,
@@ -301,9 +301,9 @@ class Checkpointer:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
         self._check_not_complete()
         self._acquire()
-        last = self._last
-        if last is not None and last.step == step and last.kind == kind and last.key.startswith(
-                layout.step_prefix(step, last.area)) and last.attempt == self.attempt:
+        last = self._written
+        if last is not None and last.step == step and last.kind == kind:
+            # e.g. a periodic save and then a preemption save at the same step boundary
             log.info("step %d already committed by this process: not saving it again", step)
             return last
         compat = self.compat_block(state)
@@ -342,7 +342,7 @@ class Checkpointer:
             compat_drift=tuple(self._drift), key=mkey)
         self.storage.put(mkey, m.dumps())
         self._verified.add(mkey)
-        self._last = m
+        self._written = m
         log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size,
                  m.save_duration_s)
         return m
