@@ -140,8 +140,9 @@ def render(s: dict[str, Any]) -> str:
     sup = s.get("supervisor") or {}
     live = f" (supervisor pid {sup.get('pid')} on {sup.get('host')})" if s["live"] else ""
     gp = f"{100 * s['goodput']:.1f}%" if s["goodput"] is not None else "n/a"
+    marker = ", COMPLETE.json present" if s["complete"] else ""
     lines = [
-        f"run {s['run']}: {s['state']}{live}",
+        f"run {s['run']}: {s['state']}{live}{marker}",
         f"  attempts {s['attempts']}, preemptions {s['preemptions']}, "
         f"failures {s['failures']}, last committed step {s['last_committed_step']}",
         f"  wall {s['wall_s']:.1f} s, useful {s['useful_s']:.1f} s, "
