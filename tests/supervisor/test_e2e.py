@@ -198,3 +198,16 @@ def test_chaos_preempt_every_demo_survives_and_completes(tmp_path: Path, procs: 
     steps = [int(e["step"]) for e in pre]
     assert steps == sorted(steps)
     assert float(sup.wait_line(r"^done (\S+)").group(1)) == expected_w(120)
+
+
+def test_orphans_of_the_command_are_waited_for_and_reaped(tmp_path: Path, procs: Start) -> None:
+    # The shell exits at once; its background child is adopted by the supervisor
+    # (subreaper) and the attempt ends only when it is gone too.
+    sup = procs(["submit", "--run", "orph", "--storage", "runs", "--", "sh", "-c",
+                 "(sleep 1; echo orphan-done) & exit 0"], tmp_path)
+    assert sup.wait(timeout=60) == 0, sup.text
+    assert "orphan-done" in sup.text
+    evs = events(tmp_path / "runs" / "orph")
+    assert next(e for e in evs if e["kind"] == "supervisor_start")["subreaper"] is True
+    end = next(e for e in evs if e["kind"] == "attempt_end")
+    assert end["status"] == 0 and end["seconds"] >= 0.9
