@@ -16,8 +16,9 @@ protocol relies on:
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import IO, Iterable, Protocol, runtime_checkable
+from typing import IO, Protocol, runtime_checkable
 
 from ckrun.errors import InvalidKey
 
@@ -61,7 +62,7 @@ class ObjectWriter(Protocol):
 
     def __enter__(self) -> ObjectWriter: ...
 
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...
 
 
 @runtime_checkable
