@@ -78,9 +78,9 @@ def preflight(cfg: RunConfig, rundir: RunDir, storage: Storage | None = None) ->
     pf = discovery.preflight(storage, expected=expected_compat(cfg), allow_change=allow)
     warnings = list(pf.warnings) + list(pf.skipped)
     if pf.complete is not None:
-        step = pf.complete.final_step
-        return PreflightReport("complete", step, (), tuple(warnings),
-                               f"COMPLETE.json, final step {step}")
+        final: int = pf.complete.final_step
+        return PreflightReport("complete", final, (), tuple(warnings),
+                               f"COMPLETE.json, final step {final}")
     step = pf.resume.step if pf.resume is not None else None
     diff = [d for d in pf.diff if not d.startswith(_ABSENT_HASH)]
     if len(diff) < len(pf.diff):

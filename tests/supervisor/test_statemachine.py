@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from typing import Any
 
 import pytest
 from ckrun import statemachine as sm
@@ -13,17 +14,17 @@ P = sm.Policy(max_requeues=2, max_failures=3, crash_loop_failures=2, grace_s=30.
               margin_s=2.0, kill_delay_s=5.0, backoff_s=1.0, backoff_max_s=3.0)
 
 
-def st(**kw: object) -> sm.State:
+def st(**kw: Any) -> sm.State:
     return dataclasses.replace(sm.State(policy=P), **kw)
 
 
-def running(**kw: object) -> sm.State:
+def running(**kw: Any) -> sm.State:
     base: dict[str, object] = dict(phase=Phase.RUNNING, attempt=1, child=True, base_step=10)
     base.update(kw)
     return st(**base)
 
 
-def draining(**kw: object) -> sm.State:
+def draining(**kw: Any) -> sm.State:
     base = dict(phase=Phase.DRAINING, notice_at=100.0, deadline=130.0, notice_kind="drill",
                 notice_source="cli:preempt")
     base.update(kw)
@@ -132,9 +133,11 @@ def test_backoff_doubles_and_is_capped_then_preflight() -> None:
     for i in range(3):
         s, acts = sm.step(dataclasses.replace(s, child=True, phase=Phase.RUNNING),
                           sm.ChildExited(1, 11 + i, False, 10.0 * i))
+        assert s.respawn_at is not None
         delays.append(s.respawn_at - 10.0 * i)
         s = dataclasses.replace(s, base_step=11 + i)
     assert delays == [1.0, 2.0, 3.0]
+    assert s.respawn_at is not None
     s2, acts = sm.step(s, sm.Tick(s.respawn_at - 0.01))
     assert acts == []
     s2, acts = sm.step(s, sm.Tick(s.respawn_at))
