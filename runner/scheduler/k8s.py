@@ -27,11 +27,11 @@ from ckrun.scheduler.base import JobInfo, JobSpec, JobState, RequeueOutcome
 from ckrun.scheduler.k8s_manifest import (
     MIN_KUBERNETES_VERSION,
     REQUEUE_EXIT_CODES,
-    Options,
     job_name,
     manifest,
     render_yaml,
 )
+from ckrun.scheduler.k8s_options import Options
 
 __all__ = ["K8sScheduler", "Options", "MIN_KUBERNETES_VERSION", "job_name", "manifest"]
 
