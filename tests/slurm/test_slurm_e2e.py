@@ -159,6 +159,32 @@ def test_preemption_low_by_high(cluster, tmp_path, cancel_jobs) -> None:
     assert "SIGTERM" in notice["message"]
 
 
+def test_preemption_of_a_batch_shell_within_killwait(cluster, tmp_path, cancel_jobs) -> None:
+    """ckrun.sbatch without preempt_send_user_signal: SIGTERM only when GraceTime ends,
+    then KillWait (5 s here) to save; Slurm has already requeued the job by then and
+    ``scontrol requeue`` answers "Job is pending execution", which counts as requeued."""
+    low = _sbatch(
+        ["--job-name=pre-tpl", "--time=10", "--partition=low", "--cpus-per-task=16",
+         f"--output={tmp_path}/pre-tpl-%j.out", str(REPO / "slurm" / "ckrun.sbatch"),
+         PYTHON, *_child_args(tmp_path, "pret", steps=120)],
+        _env(tmp_path, CKRUN_LEAD_S="60"), tmp_path,
+    )  # fmt: skip
+    cancel_jobs.append(low)
+    out = tmp_path / f"pre-tpl-{low}.out"
+    wait_for(lambda: "step 20" in _read(out), 60, "the low job's child to make progress")
+    high = _sbatch(["--partition=high", "--cpus-per-task=16", "--time=1", "--wrap", "sleep 1",
+                    f"--output={tmp_path}/high-%j.out"], dict(os.environ), tmp_path)  # fmt: skip
+    cancel_jobs.append(high)
+    rec = wait_for(lambda: job_done(low), 150, "the preempted job to resume and complete")
+    assert (rec["JobState"], rec["Restarts"]) == ("COMPLETED", "1")
+    assert _final(tmp_path, "pret") == uninterrupted(120)
+    text = _read(out)
+    assert _said(text, "pre-tpl", 0, "notice signal:SIGTERM"), text
+    assert _said(text, "pre-tpl", 0, "requeued by the scheduler"), text
+    assert _said(text, "pre-tpl", 1, "run completed"), text
+    assert "CANCELLED AT" in text and "DUE TO PREEMPTION" in text
+
+
 def _log(tmp: Path, job_id: str) -> str:
     path = tmp / "logs" / f"{job_id}_0_log.out"
     return path.read_text() if path.exists() else ""
