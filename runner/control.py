@@ -121,6 +121,23 @@ def read_ack(cdir: str) -> dict[str, Any] | None:
         return None
 
 
+def _shield_from_dataloader_workers() -> None:
+    """Keep DataLoader worker deaths from killing the process before its save.
+
+    torch's DataLoader workers die on any SIGTERM that their parent did not send (a
+    scheduler signalling the whole process group, ``kill -TERM -PGID``), and the SIGCHLD
+    handler the DataLoader installs then raises in the training process at once.  Once a
+    notice has arrived, the workers are expendable: restoring the default SIGCHLD action
+    lets the process reach its emergency save (the iterator fails only if used again).
+    """
+    h = signal.getsignal(signal.SIGCHLD)
+    if callable(h) and str(getattr(h, "__module__", "")).startswith("torch.utils.data"):
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        except ValueError:  # not the main thread
+            pass
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
     cdir = control_dir()
     if (
@@ -133,6 +150,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         return
     _received.append(signum)
     _flag.set()
+    _shield_from_dataloader_workers()
 
 
 def install_signal_handlers(force: bool = False) -> bool:
@@ -193,6 +211,7 @@ def _local_flag() -> bool:
     cdir = control_dir()
     if cdir and os.path.exists(os.path.join(cdir, NOTICE_FILE)):
         _flag.set()
+        _shield_from_dataloader_workers()
         return True
     return False
 

@@ -16,6 +16,7 @@ from ckrun.notices import DRILL, Notice
 
 CHILD = r"""
 import os, sys, time, ckrun
+ckrun.install_signal_handlers()
 print("ready", flush=True)
 deadline = time.monotonic() + 20
 n = 0

@@ -74,11 +74,6 @@ def test_bash_wrapper_still_checkpoints(tmp_path: Path, procs: Start) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "torch's DataLoader workers die on a SIGTERM not sent by their parent (C handler set "
-    "in _worker_loop) and torch's SIGCHLD handler then raises in the training process "
-    "before it saves; needs ckrun.control's notice handler to replace torch's SIGCHLD "
-    "handler with SIG_DFL (measured: the save then completes). Remove this marker then."))
 def test_dataloader_workers_survive_sigterm_to_the_group(tmp_path: Path, procs: Start) -> None:
     sup = procs(["submit", "--run", "w", "--storage", "runs", CHILD, "--steps", "40",
                  "--step-s", "0.04", "--workers", "2"], tmp_path)
