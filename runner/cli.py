@@ -106,6 +106,28 @@ _allow_opt = click.option("--allow-change", "allow_change", multiple=True, metav
                           help="Compat field allowed to differ on resume (repeatable).")
 
 
+#: Backend options of ``submit`` (the forms issues 4 and 6 write out): flag, profile key,
+#: type, help.  Each is the same as ``--set KEY=VALUE``; a key the selected backend does
+#: not have is refused by the config with the list of valid keys.
+_BACKEND_OPTIONS: list[tuple[str, str, Any, str]] = [
+    ("--partition", "partition", str, "Slurm partition."),
+    ("--time", "time", str, "Slurm time limit, e.g. 4:00:00."),
+    ("--nodes", "nodes", int, "Slurm nodes."),
+    ("--gpus-per-node", "gpus_per_node", int, "Slurm GPUs per node."),
+    ("--account", "account", str, "Slurm account."),
+    ("--qos", "qos", str, "Slurm QOS."),
+    ("--image", "image", str, "Kubernetes container image."),
+    ("--namespace", "namespace", str, "Kubernetes namespace."),
+    ("--gpus", "gpus", int, "Kubernetes GPUs per pod."),
+]
+
+
+def _backend_options(f: Any) -> Any:
+    for flag, key, typ, text in reversed(_BACKEND_OPTIONS):
+        f = click.option(flag, key, type=typ, default=None, help=text)(f)
+    return f
+
+
 @main_group.command(context_settings=_SUBMIT)
 @click.option("--profile", default="local", show_default=True, help="Profile name.")
 @click.option("--run", "run_name", default=None, help="Run name [script name + UTC time].")
@@ -120,11 +142,12 @@ _allow_opt = click.option("--allow-change", "allow_change", multiple=True, metav
               help="Local profile: a drill notice every DURATION of child runtime (20s).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Any profile key, e.g. --set image=IMG --set partition=gpu (repeatable).")
+@_backend_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def submit(profile: str, run_name: str | None, storage: str | None, detach: bool,
            dry_run: bool, max_requeues: int | None, max_failures: int | None,
            grace: str | None, allow_change: tuple[str, ...], chaos_preempt_every: str | None,
-           settings: tuple[str, ...], args: tuple[str, ...]) -> int:
+           settings: tuple[str, ...], args: tuple[str, ...], **backend: Any) -> int:
     """Submit a training command: `ckrun submit train.py [ARGS]...` or `-- CMD [ARGS]...`.
 
     ckrun's options may come before or after the script; the script's own arguments go
@@ -135,6 +158,7 @@ def submit(profile: str, run_name: str | None, storage: str | None, detach: bool
     cli.update(_cli_values(storage=storage, max_requeues=max_requeues,
                            max_failures=max_failures, grace_s=grace,
                            allow_change=allow_change, chaos_preempt_every=chaos_preempt_every))
+    cli.update(_cli_values(**backend))
     return int(launch.submit(profile, cli, _command(args), run_name, detach=detach,
                              dry_run=dry_run))
 
