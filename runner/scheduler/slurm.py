@@ -1,7 +1,7 @@
 """Slurm backend: render and submit through submitit, know the current job, requeue it.
 
-Each task of the job runs the ckrun supervisor (``ckrun run --run NAME --storage URL --
-CMD``), never submitit's pickled-function runner, so submitit's in-job signal handling
+Each task of the job runs the ckrun supervisor (``ckrun run --run NAME --storage BASE
+-- CMD``), never submitit's pickled-function runner, so submitit's in-job signal handling
 (its USR2 handler, its own ``scontrol requeue`` and ``max_num_timeout``) never runs: the
 supervisor decides checkpoint and requeue.  submitit renders the sbatch script (the same
 text ``--dry-run`` prints and ``submit`` hands to ``sbatch``) and parses the job id.
@@ -120,6 +120,10 @@ class SlurmScheduler:
             "qos": o.qos, "wckey": o.wckey, "setup": setup, "use_srun": o.use_srun,
             "additional_parameters": extra,
         }  # fmt: skip
+        if o.use_srun and o.cpus_per_task:
+            # Since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task (release
+            # notes 22.05): without this the supervisor and the training get one CPU.
+            params["srun_args"] = [f"--cpus-per-task={o.cpus_per_task}"]
         return params
 
     def render(self, spec: JobSpec) -> str:
