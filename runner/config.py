@@ -67,7 +67,8 @@ class RunConfig:
         notice_sources: cloud notice pollers to run: any of ``aws``, ``gcp``, ``azure``.
         options: the backend's frozen ``Options`` instance.
         cloud: keys of ``ckrun.cloud.CloudOptions`` set in the profile/env/CLI
-            (``aws_poll_interval_s``, ...), handed to ``ckrun.cloud.build_sources``.
+            (``aws_poll_interval_s``, ...), handed to ``ckrun.cloud.build_sources``, and
+            of ``ckrun.storage.s3.S3Options`` (``endpoint_url``, ``s3_*``).
         sources: key -> where its value came from (``cli``, ``env:CKRUN_X``,
             ``profile:local``, ``default``).
     """
@@ -295,16 +296,38 @@ def cloud_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(CloudOptions)]
 
 
+def storage_keys() -> list[str]:
+    """Profile keys of the S3 backend (``ckrun.storage.s3.S3Options``: ``endpoint_url``,
+    ``s3_*``); they travel to the child as ``CKRUN_<KEY>`` (see :func:`storage_env`)."""
+    from ckrun.storage.s3 import S3Options
+
+    return [f.name for f in dataclasses.fields(S3Options)]
+
+
+def storage_env(cfg: RunConfig) -> dict[str, str]:
+    """``CKRUN_<KEY>`` variables for the S3 keys set in ``cfg`` (for the child process)."""
+    keys = set(storage_keys())
+    return {env_name(k): str(v) for k, v in cfg.cloud.items() if k in keys and v is not None}
+
+
 def _cloud_values(values: Mapping[str, Any]) -> dict[str, Any]:
     if not values:
         return {}
-    from ckrun.cloud import CloudOptions
+    from ckrun.storage.s3 import S3Options
 
-    return {k: _coerce(k, v, _field_type(k, CloudOptions)) for k, v in values.items()}
+    out: dict[str, Any] = {k: v for k, v in values.items() if k in storage_keys()}
+    S3Options.from_mapping(out)  # validates; raises ConfigError naming the key
+    rest = {k: v for k, v in values.items() if k not in out}
+    if rest:
+        from ckrun.cloud import CloudOptions
+
+        out.update({k: _coerce(k, v, _field_type(k, CloudOptions)) for k, v in rest.items()})
+    return out
 
 
 def _unknown_msg(unknown: list[str], scheduler: str, backend_keys: list[str]) -> str:
     cloud = f", cloud notices [{', '.join(cloud_keys())}]" if cloud_keys() else ""
+    cloud += f", S3 storage [{', '.join(storage_keys())}]"
     return (
         f"unknown config key(s) {', '.join(unknown)}; valid keys: common "
         f"[{', '.join(common_keys())}], {scheduler} [{', '.join(backend_keys)}]{cloud}"
@@ -341,7 +364,7 @@ def resolve(
     layers: list[tuple[str, dict[str, Any]]] = [("profile:" + profile, load_profile(profile))]
     scheduler = str(layers[0][1].get("scheduler", RunConfig.scheduler))
     backend_keys = [f.name for f in dataclasses.fields(backend_options_class(scheduler))]
-    known = common_keys() + backend_keys + cloud_keys()
+    known = common_keys() + backend_keys + cloud_keys() + storage_keys()
     unknown = sorted(set(layers[0][1]) - set(known))
     if unknown:
         raise ConfigError(f"profile {profile!r}: " + _unknown_msg(unknown, scheduler, backend_keys))
@@ -365,7 +388,8 @@ def resolve(
         )
     common = {k: _coerce(k, v, _field_type(k)) for k, v in values.items() if k in common_keys()}
     opts = _build_options(scheduler, {k: v for k, v in values.items() if k in backend_keys})
-    cloud = _cloud_values({k: v for k, v in values.items() if k in cloud_keys()})
+    extra = set(cloud_keys()) | set(storage_keys())
+    cloud = _cloud_values({k: v for k, v in values.items() if k in extra})
     cfg = RunConfig(run=run, command=tuple(command), profile=profile, options=opts,
                     cloud=cloud, sources=sources, **common)
     _validate(cfg)

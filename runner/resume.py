@@ -52,9 +52,25 @@ class PreflightReport:
 
 
 def open_run_storage(cfg: RunConfig) -> Storage:
-    """The run root's storage (created for a local directory)."""
+    """The run root's storage (created for a local directory).
+
+    For ``s3://`` the profile's S3 keys apply and the bucket is probed (head, then a
+    small put/get/delete) so a missing bucket, denied access or read-only credentials
+    fail here, before training starts.
+
+    Raises:
+        StorageError: the storage is unusable (the message names the fix).
+    """
     from ckrun.storage import open_storage
 
+    if cfg.run_root.startswith("s3://"):
+        from ckrun.config import storage_keys
+        from ckrun.storage.s3 import S3Storage
+
+        keys = set(storage_keys())
+        s3 = S3Storage.from_url(cfg.run_root, {k: v for k, v in cfg.cloud.items() if k in keys})
+        s3.check(write=True)
+        return s3
     return open_storage(cfg.run_root)
 
 

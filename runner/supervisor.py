@@ -38,7 +38,7 @@ from typing import IO, Any
 
 from ckrun import control, process
 from ckrun import statemachine as sm
-from ckrun.config import RunConfig, is_local_storage
+from ckrun.config import RunConfig, is_local_storage, storage_env
 from ckrun.errors import CkrunError
 from ckrun.events import EventLog
 from ckrun.notices import DRILL, PREEMPTION, TERMINATION, Notice, NoticeSource, utcnow
@@ -313,6 +313,7 @@ class Supervisor:
             CKRUN_NOTICE_SIGNAL=self.notice_sig.name, CKRUN_CONFIG_HASH=cfg.launch_hash(),
             CKRUN_ALLOW_CHANGE=",".join(cfg.allow_change),
         )
+        env.update(storage_env(cfg))  # endpoint_url, s3_* from the profile
         if resume_step is not None:
             env["CKRUN_RESUME_STEP"] = str(resume_step)
         return env
