@@ -22,8 +22,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from ckrun.checkpoint import distributed, layout, retention
 from ckrun.checkpoint import format as fmt
-from ckrun.checkpoint import layout, retention
 from ckrun.checkpoint.compat import compare, git_state, normalize, parse_allow_change
 from ckrun.checkpoint.discovery import completion, scan
 from ckrun.checkpoint.env import env_int, install_excepthook
@@ -96,7 +96,12 @@ class Checkpointer:
         policy: compat field → ``strict``/``warn``/``ignore`` overrides.
         rng: capture and restore RNG states.
         resume_step: the supervisor's hint of the step to resume (logged if different).
-        lock: take ``locks/writer.lock`` on first load/save.
+        lock: take ``locks/writer.lock`` on first load/save (rank 0 only).
+        seed: base seed of the RNG reseed when resuming on another world size.
+
+    Rank and world size come from ``torch.distributed`` (or ``RANK``/``WORLD_SIZE``);
+    with more than one rank ``load``/``save``/``finalize`` are collectives (see
+    :mod:`ckrun.checkpoint.distributed`).
 
     Raises:
         ConfigError: invalid ``keep_last``/``milestone_every`` or storage URL.
@@ -106,7 +111,8 @@ class Checkpointer:
                  keep_last: int = 3, milestone_every: int | None = None,
                  allow_change: Sequence[str] = (), run: str | None = None,
                  attempt: int | None = None, policy: Mapping[str, str] | None = None,
-                 rng: bool = True, resume_step: int | None = None, lock: bool = True):
+                 rng: bool = True, resume_step: int | None = None, lock: bool = True,
+                 seed: int = 0):
         from ckrun.storage import open_storage
 
         if keep_last < 1 or (milestone_every is not None and milestone_every < 1):
@@ -120,7 +126,9 @@ class Checkpointer:
         self.policy = policy
         self.rng = rng
         self.resume_step = resume_step
-        self.rank, self.world_size = 0, 1
+        self.rank, self.world_size = distributed.dist_info()
+        self.seed = seed
+        self.group = distributed.Group(self.rank, self.world_size)
         self.resumed_from: int | None = None
         self.skipped: list[str] = []
         self._user_compat = normalize(dict(compat or {}))
@@ -129,7 +137,8 @@ class Checkpointer:
         self._verified: set[str] = set()
         self._written: Manifest | None = None  # the last manifest this process committed
         self._complete = False
-        self._lock = WriterLock(self.storage, run=self.run, attempt=self.attempt) if lock else None
+        self._lock = (WriterLock(self.storage, run=self.run, attempt=self.attempt)
+                      if lock and self.rank == 0 else None)
 
     @classmethod
     def from_env(cls, compat: Mapping[str, Any] | None = None, **kw: Any) -> Checkpointer:
@@ -176,13 +185,15 @@ class Checkpointer:
                                  "ckrun_version": __version__,
                                  "python_version": platform.python_version()}
         block.update(git_state())
+        block.update(distributed.compat_fields(self.world_size))
         block.update(self._state_compat)
         block.update(self._user_compat)
         return block
 
     def _gate(self, m: Manifest, current: Mapping[str, Any]) -> list[str]:
         """Raise IncompatibleCheckpoint on refusing differences; returns the drift."""
-        cmp = compare(current, m.compat, allow_change=self.allow_change, policy=self.policy)
+        allow = self.allow_change + distributed.allowed_changes(m, self.world_size)
+        cmp = compare(current, m.compat, allow_change=allow, policy=self.policy)
         if cmp.refuse:
             raise IncompatibleCheckpoint(
                 f"checkpoint step {m.step} in {self.storage.url} belongs to a different "
@@ -211,14 +222,22 @@ class Checkpointer:
         current = self.compat_block(state)
         for m in scan(self.storage).manifests:
             drift = self._gate(m, current)
+            tree, why = None, ""
             try:
                 tree = self._read(m)
             except (CorruptCheckpoint, ObjectNotFound) as e:
-                msg = f"checkpoint step {m.step} is unusable: {e}"
+                why = str(e)
+            ok, whys = self.group.all_ok(tree is not None, why)  # all ranks fall back together
+            if not ok or tree is None:
+                msg = f"checkpoint step {m.step} is unusable: {'; '.join(whys)}"
                 log.error("%s; falling back to an older checkpoint", msg)
                 self.skipped.append(msg)
                 continue
-            restore(state, tree, where=f"checkpoint step {m.step}")
+            if m.world_size != self.world_size:
+                distributed.restore_resharded(state, tree, m, rank=self.rank,
+                                              world_size=self.world_size, seed=self.seed)
+            else:
+                restore(state, tree, where=f"checkpoint step {m.step}")
             self.resumed_from, self._drift = m.step, drift
             self._verified.add(m.key)
             if self.resume_step is not None and self.resume_step != m.step:
@@ -228,10 +247,12 @@ class Checkpointer:
         return None
 
     def _read(self, m: Manifest) -> Any:
-        if m.world_size != self.world_size:
-            raise CheckpointError(f"checkpoint step {m.step} has {m.world_size} shards; "
-                                  "resharding arrives with distributed checkpoints")
-        s = next(s for s in m.shards if s.rank == self.rank)
+        if m.world_size != self.world_size and not distributed.reshards(m):
+            raise CheckpointError(f"checkpoint step {m.step} has {m.world_size} shards in a "
+                                  "format that does not reshard; resume it on "
+                                  f"{m.world_size} ranks")
+        src = distributed.source_rank(m, self.rank, self.world_size)
+        s = next(s for s in m.shards if s.rank == src)
         info = self.storage.head(s.key)
         if info is None or info.size_bytes != s.size_bytes:
             got = "missing" if info is None else f"{info.size_bytes} bytes"
@@ -253,7 +274,8 @@ class Checkpointer:
                     log.warning("latest(): skipping step %d: %s", m.step, "; ".join(problems))
                     continue
                 self._verified.add(m.key)
-            cmp = compare(current, m.compat, allow_change=self.allow_change, policy=self.policy,
+            allow = self.allow_change + distributed.allowed_changes(m, self.world_size)
+            cmp = compare(current, m.compat, allow_change=allow, policy=self.policy,
                           only_current=not self._state_compat)  # no state seen: partial block
             return None if cmp.refuse else m
         return None
@@ -290,7 +312,8 @@ class Checkpointer:
             RunComplete: already finalized.  Storage errors as :meth:`save`.
         """
         m = self._save(step, state, "final", metrics)
-        self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
+        if self.rank == 0:
+            self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
         self._complete = True
         return m
 
@@ -317,6 +340,18 @@ class Checkpointer:
                 metrics: Mapping[str, Any] | None, created_utc: str,
                 started: float) -> Manifest:
         """Steps 2-4 of a save: write the shard, check its size, commit the manifest."""
+        def make(shards: tuple[ShardInfo, ...], mkey: str) -> Manifest:
+            return self._manifest(step, kind, shards, compat, metrics, created_utc, started,
+                                  mkey)
+
+        if self.world_size > 1:  # collective: every rank's shard, rank 0 commits
+            distributed.refuse_sharded_tensors(snap)
+            m = distributed.persist(self, step, snap, kind=kind, make_manifest=make)
+            self._verified.add(m.key)
+            self._written = m
+            log.info("committed step %d (%s, %d ranks, %d bytes, %.3f s)", step, kind,
+                     m.world_size, m.total_size_bytes, m.save_duration_s)
+            return m
         area: layout.Area = "final" if kind == "final" else "checkpoints"
         key = layout.shard_key(step, self.rank, self.attempt, area)
         w = self.storage.open_write(key)
@@ -330,16 +365,8 @@ class Checkpointer:
         if info is None or info.size_bytes != size:
             raise StorageError(f"{key}: committed shard reads back as {info}, expected "
                                f"{size} bytes; the storage lost the write")
-        mkey = layout.manifest_key(step, area)
-        m = Manifest(
-            run=self.run, step=step, kind=kind, attempt=self.attempt,
-            world_size=self.world_size, shards=(ShardInfo(key, self.rank, size, checksum),),
-            compat=compat, metrics=normalize(dict(metrics or {}), "metrics", lenient=True),
-            resumed_from=self.resumed_from, created_utc=created_utc, committed_utc=utc_now(),
-            save_duration_s=round(time.monotonic() - started, 6),
-            versions={"ckrun": str(compat.get("ckrun_version")), "torch": torch.__version__,
-                      "python": platform.python_version()},
-            compat_drift=tuple(self._drift), key=mkey)
+        m = make((ShardInfo(key, self.rank, size, checksum),), layout.manifest_key(step, area))
+        mkey = m.key
         self.storage.put(mkey, m.dumps())
         self._verified.add(mkey)
         self._written = m
@@ -347,7 +374,23 @@ class Checkpointer:
                  m.save_duration_s)
         return m
 
+    def _manifest(self, step: int, kind: str, shards: tuple[ShardInfo, ...],
+                  compat: dict[str, Any], metrics: Mapping[str, Any] | None,
+                  created_utc: str, started: float, mkey: str) -> Manifest:
+        """The manifest committing ``shards`` (built just before it is written)."""
+        return Manifest(
+            run=self.run, step=step, kind=kind, attempt=self.attempt,
+            world_size=len(shards), shards=shards,
+            compat=compat, metrics=normalize(dict(metrics or {}), "metrics", lenient=True),
+            resumed_from=self.resumed_from, created_utc=created_utc, committed_utc=utc_now(),
+            save_duration_s=round(time.monotonic() - started, 6),
+            versions={"ckrun": str(compat.get("ckrun_version")), "torch": torch.__version__,
+                      "python": platform.python_version()},
+            compat_drift=tuple(self._drift), key=mkey)
+
     def _retain(self, m: Manifest) -> None:
+        if self.rank != 0:  # rank 0 alone deletes
+            return
         try:
             sc = scan(self.storage)
             broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]

@@ -1,0 +1,335 @@
+"""Collective checkpoints of a ``torch.distributed`` job (issue 8; DESIGN.md §3).
+
+Save (every rank calls :meth:`Checkpointer.save` at the same step, e.g. after
+``preemption_requested(sync=True)`` agreed on it):
+
+1. each rank writes its whole run state (model, optimizer, its RNG, its sampler
+   position, ...) as one shard under its attempt-unique key
+   (``shard-r<rank>-a<attempt>-<nonce>.ckpt``), CRC32C while streaming;
+2. the ranks report ``(key, size_bytes, checksum, error)`` to rank 0 (``gather_object``
+   on a dedicated gloo group, so a CUDA/NCCL job's training collectives are untouched);
+3. rank 0 checks that every shard exists with the reported size (``head``), then writes
+   the single ``manifest.json`` (world size, one shard per rank, the sharding policy in
+   the compat block): the checkpoint exists only now;
+4. rank 0 broadcasts the outcome (the manifest, or the error) to every rank: this is the
+   barrier after the commit, and a failure on any rank fails the save on every rank.
+
+A rank that dies or hangs before step 3 leaves shards that no manifest names (collected
+later by retention); the previous checkpoint stays the newest.
+
+Load: every rank walks the same committed manifests newest first; the ranks agree
+(``all_gather_object``) on each candidate, so one rank's corrupt shard makes all of them
+fall back together.  On the same world size each rank reads its own shard (exact
+resume, bitwise).  On another world size (the sharding policy ``replicated``: DDP, where
+model and optimizer are identical on every rank) every rank reads rank 0's shard and the
+rank-local state follows :data:`RANK_LOCAL_POLICY`, recorded in every manifest:
+
+* data position: a :class:`~ckrun.checkpoint.sampler.ResumableSampler` state is re-derived
+  from the global sample count (``position × old world size``: the global step times the
+  global batch within the epoch) as ``global // new world size`` for this rank;
+* RNG: python, numpy and torch (CPU, CUDA) are reseeded with
+  ``sha256("seed:step:rank")`` (first 8 bytes), deterministic for a given resume.
+
+Sharded tensors (``DTensor``, FSDP sharded state dicts) are refused at save with a fix
+(save a full state dict); torch.distributed.checkpoint resharding is not wired in yet.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import os
+import random
+import sys
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from ckrun.checkpoint import format as fmt
+from ckrun.checkpoint import layout
+from ckrun.checkpoint.manifest import Manifest, ShardInfo
+from ckrun.checkpoint.state import restore
+from ckrun.checkpoint.verify import head_problems
+from ckrun.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from ckrun.checkpoint.checkpointer import Checkpointer
+
+log = logging.getLogger(__name__)
+
+#: Sharding policy of ckrun's collective checkpoints: every rank's shard holds the full
+#: (replicated) model and optimizer state plus its rank-local state.
+POLICY = "replicated"
+#: Policies whose checkpoints load on another world size.
+RESHARDING_POLICIES = frozenset({POLICY})
+#: What happens to rank-local state when the world size changes (see module docstring).
+RANK_LOCAL_POLICY = {"data": "rederive:global_samples=position*world_size",
+                     "rng": "reseed:sha256(seed:step:rank)"}
+#: Seconds a collective of the checkpoint group waits for a rank (default 30 min); the
+#: supervisor's grace deadline normally ends a hung save much earlier.
+TIMEOUT_ENV = "CKRUN_COLLECTIVE_TIMEOUT_S"
+_SAMPLER_KEYS = frozenset({"epoch", "position", "seed", "n", "shuffle", "num_replicas", "rank"})
+
+
+def dist_info() -> tuple[int, int]:
+    """``(rank, world_size)``: from ``torch.distributed`` when initialised, else from the
+    ``RANK`` / ``WORLD_SIZE`` environment (torchrun sets both), else ``(0, 1)``.
+
+    Raises:
+        ConfigError: ``RANK``/``WORLD_SIZE`` malformed or inconsistent.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ConfigError(f"RANK/WORLD_SIZE must be integers: {e}") from e
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}; check the launcher")
+    return rank, world
+
+
+def compat_fields(world_size: int) -> dict[str, Any]:
+    """Compat entries of a run of ``world_size`` ranks (``sharding`` only when > 1)."""
+    if world_size <= 1:
+        return {}
+    return {"sharding": {"policy": POLICY, "rank_local": dict(RANK_LOCAL_POLICY)}}
+
+
+def reshards(m: Manifest) -> bool:
+    """True when ``m`` can be loaded on another world size (one shard, or a resharding
+    policy in its compat block)."""
+    sharding = m.compat.get("sharding")
+    policy = sharding.get("policy") if isinstance(sharding, Mapping) else None
+    return m.world_size == 1 or policy in RESHARDING_POLICIES
+
+
+def allowed_changes(m: Manifest, world_size: int) -> tuple[str, ...]:
+    """Compat paths allowed to differ when resuming ``m`` on ``world_size`` ranks."""
+    if m.world_size != world_size and reshards(m):
+        return ("world_size", "sharding")
+    return ()
+
+
+class Group:
+    """The checkpoint's own gloo process group (CPU objects; a single process: no-op).
+
+    Created lazily by the first collective: every rank must reach it (``load``/``save``
+    are collectives).
+
+    Raises:
+        ConfigError: ``world_size > 1`` but ``torch.distributed`` is not initialised.
+    """
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self._pg: Any = None
+
+    def _group(self) -> Any:
+        import torch.distributed as dist
+
+        if self._pg is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ConfigError(
+                    f"rank {self.rank} of {self.world_size}: torch.distributed is not "
+                    "initialised; call torch.distributed.init_process_group() before the "
+                    "Checkpointer's load/save")
+            secs = float(os.environ.get(TIMEOUT_ENV, "1800"))
+            self._pg = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=secs))
+        return self._pg
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self._group())
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._group())
+        return box[0]
+
+    def all_ok(self, ok: bool, why: str = "") -> tuple[bool, list[str]]:
+        """(True when every rank is ok, the reasons of the ranks that are not)."""
+        if self.world_size == 1:
+            return ok, [] if ok else [why]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, (ok, why), group=self._group())
+        return all(o[0] for o in out), [f"rank {r}: {o[1]}" for r, o in enumerate(out) if not o[0]]
+
+
+@dataclass(frozen=True)
+class _Report:
+    key: str
+    size_bytes: int
+    checksum: str
+    error: str | None
+
+
+def _write_own(ck: Checkpointer, step: int, snap: fmt.Snapshot, area: layout.Area) -> _Report:
+    key = layout.shard_key(step, ck.rank, ck.attempt, area)
+    w = ck.storage.open_write(key)
+    try:
+        size, checksum = fmt.write_shard(w, snap)
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+    return _Report(key, size, checksum, None)
+
+
+def persist(ck: Checkpointer, step: int, snap: fmt.Snapshot, *, kind: str,
+            make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest]) -> Manifest:
+    """Steps 2-4 of a collective save (module docstring); every rank calls it.
+
+    Args:
+        ck: the rank's Checkpointer (``rank``, ``world_size``, ``storage``, ``attempt``).
+        step: the step being saved (the same on every rank).
+        snap: this rank's snapshot.
+        kind: ``recovery``, ``milestone`` or ``final``.
+        make_manifest: ``(shards, manifest_key) -> Manifest`` (rank 0 only).
+
+    Returns:
+        The committed manifest, on every rank.
+
+    Raises:
+        StorageError: this rank's own write failed (re-raised after the others heard).
+        CheckpointError: another rank failed, or rank 0's check of the shards did.
+    """
+    area: layout.Area = "final" if kind == "final" else "checkpoints"
+    own_error: BaseException | None = None
+    try:
+        rep = _write_own(ck, step, snap, area)
+    except Exception as e:  # reported to rank 0 so no rank waits forever
+        own_error, rep = e, _Report("", 0, "", f"{type(e).__name__}: {e}")
+    reports = ck.group.gather(rep)
+    outcome: tuple[str, bytes | str, str] = ("error", "", "")
+    if reports is not None:
+        outcome = _commit(ck, step, area, reports, make_manifest)
+    outcome = ck.group.broadcast(outcome)  # the barrier after the commit
+    if own_error is not None:
+        raise own_error
+    status, body, mkey = outcome
+    if status != "ok":
+        raise CheckpointError(f"collective save of step {step} failed, nothing committed "
+                              f"(the previous checkpoint is intact): {body!s}")
+    if not isinstance(body, bytes):
+        raise CheckpointError(f"collective save of step {step}: rank 0 sent no manifest")
+    return Manifest.loads(body, key=mkey)
+
+
+def _commit(ck: Checkpointer, step: int, area: layout.Area, reports: list[_Report],
+            make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
+            ) -> tuple[str, bytes | str, str]:
+    """Rank 0: verify every shard, write the manifest; ``("ok", bytes, key)`` or error."""
+    problems = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
+    shards = tuple(ShardInfo(rep.key, r, rep.size_bytes, rep.checksum)
+                   for r, rep in enumerate(reports))
+    mkey = layout.manifest_key(step, area)
+    try:
+        if not problems:
+            probe = Manifest(run=ck.run, step=step, kind="recovery", attempt=ck.attempt,
+                             world_size=len(shards), shards=shards, compat={}, metrics={},
+                             resumed_from=None, created_utc="", committed_utc="",
+                             save_duration_s=0.0)
+            problems = head_problems(ck.storage, probe)
+        if problems:
+            return "error", "; ".join(problems), mkey
+        m = make_manifest(shards, mkey)
+        ck.storage.put(mkey, m.dumps())
+        return "ok", m.dumps(), mkey
+    except Exception as e:  # broadcast, then every rank raises
+        return "error", f"rank 0 could not commit: {type(e).__name__}: {e}", mkey
+
+
+def source_rank(m: Manifest, rank: int, world_size: int) -> int:
+    """The shard this rank reads: its own on the same world size, else rank 0's."""
+    return rank if m.world_size == world_size else 0
+
+
+def restore_resharded(state: MutableMapping[str, Any], tree: Mapping[str, Any], m: Manifest,
+                      *, rank: int, world_size: int, seed: int) -> None:
+    """Restore rank 0's shard of ``m`` (world size W) into this rank of ``world_size``.
+
+    The sampler positions are re-derived and the RNG reseeded (module docstring).
+
+    Raises:
+        CheckpointError: as :func:`ckrun.checkpoint.state.restore`.
+    """
+    user = _rederive(tree.get("user"), world_size, rank)
+    restore(state, {**tree, "user": user, "rng": None}, where=f"checkpoint step {m.step}")
+    reseed(seed, m.step, rank)
+    log.warning("checkpoint step %d was written by %d ranks, this job has %d: rank %d took "
+                "rank 0's replicated state, re-derived data positions and reseeded RNG "
+                "(policy %s)", m.step, m.world_size, world_size, rank, RANK_LOCAL_POLICY)
+
+
+def _rederive(v: Any, world: int, rank: int) -> Any:
+    if isinstance(v, Mapping):
+        if _SAMPLER_KEYS <= v.keys():
+            return rederive_sampler(v, world, rank)
+        return {k: _rederive(x, world, rank) for k, x in v.items()}
+    return v
+
+
+def rederive_sampler(sd: Mapping[str, Any], world: int, rank: int) -> dict[str, Any]:
+    """A ResumableSampler state moved to ``rank`` of ``world`` ranks.
+
+    The old ranks consumed ``position × num_replicas`` entries of the epoch's padded
+    permutation (rank r took entries ``r, r + W, ...``); the new rank resumes at
+    ``global // world`` (at most ``world - 1`` samples are seen twice), clamped to the
+    epoch length ``ceil(n / world)``.
+    """
+    consumed = int(sd["position"]) * int(sd["num_replicas"])
+    per_rank = -(-int(sd["n"]) // world)
+    return {**sd, "num_replicas": world, "rank": rank,
+            "position": min(consumed // world, per_rank)}
+
+
+def reseed(seed: int, step: int, rank: int) -> int:
+    """Seed python, numpy (if imported) and torch (CPU, CUDA) from ``(seed, step, rank)``.
+
+    Returns:
+        The 63-bit seed used: ``sha256(f"{seed}:{step}:{rank}")``'s first 8 bytes.
+    """
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    s = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    random.seed(s)
+    torch.manual_seed(s)  # CPU and every CUDA device
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(s % (1 << 32))
+    return s
+
+
+def refuse_sharded_tensors(snap: fmt.Snapshot) -> None:
+    """Raise when the state holds ``DTensor`` shards (not resharded by this format).
+
+    Raises:
+        CheckpointError: names the fix (a full state dict, or DDP).
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if any(isinstance(t, DTensor) for t in snap.tensors):
+        raise CheckpointError(
+            "the state holds DTensor (FSDP2 / tensor-parallel) shards, which ckrun's "
+            "replicated format cannot reshard; pass full state dicts "
+            "(torch.distributed.checkpoint.state_dict.get_state_dict(..., "
+            "options=StateDictOptions(full_state_dict=True))) or use DDP")
