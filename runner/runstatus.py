@@ -98,6 +98,28 @@ def _complete(rd: RunDir) -> bool:
     return cfg is not None and is_complete(open_run_storage(cfg))
 
 
+def scheduler_view(rd: RunDir) -> dict[str, Any] | None:
+    """The scheduler's own record of a submitted job (Slurm: squeue/sacct state with
+    PREEMPTED kept apart from FAILED, restarts, reason; Kubernetes: Job conditions and
+    each pod's phase and exit code), or None for a local run.  A scheduler that cannot
+    be asked (no ``squeue``, no API server) gives ``{"backend", "job_id", "error"}``:
+    ``ckrun status`` never fails on it."""
+    from ckrun.errors import CkrunError
+    from ckrun.scheduler.base import get_scheduler
+
+    job = read_json(rd.job_json)
+    if not job or job.get("backend") in (None, "local") or not job.get("job_id"):
+        return None
+    backend, job_id = str(job["backend"]), str(job["job_id"])
+    try:
+        sched: Any = get_scheduler(backend)
+        view = sched.describe(job_id) if hasattr(sched, "describe") else {
+            "state": sched.status(job_id).value}
+    except (CkrunError, OSError, ImportError, RuntimeError, ValueError) as e:
+        return {"backend": backend, "job_id": job_id, "error": str(e)}
+    return {"backend": backend, "job_id": job_id, **dict(view)}
+
+
 def summarize(rd: RunDir) -> dict[str, Any]:
     """The run's state and accounting (see the module docstring for the definitions)."""
     evs = read_events(rd.events_path)
@@ -132,6 +154,7 @@ def summarize(rd: RunDir) -> dict[str, Any]:
         "interruptions": [{k: a[k] for k in ("attempt", "interruption", "status", "lost_s",
                                              "lost_steps")}
                           for a in acc if a["interruption"]],
+        "scheduler": scheduler_view(rd),
     }
 
 
@@ -148,6 +171,13 @@ def render(s: dict[str, Any]) -> str:
         f"  wall {s['wall_s']:.1f} s, useful {s['useful_s']:.1f} s, "
         f"saving {s['saving_s']:.2f} s, goodput {gp}",
     ]
+    job = s.get("scheduler")
+    if job:
+        extra = job.get("error") or ", ".join(
+            f"{k} {v}" for k, v in job.items()
+            if k not in ("backend", "job_id") and v not in (None, "", [], {})
+            and not isinstance(v, (dict, list)))
+        lines.append(f"  {job['backend']} job {job['job_id']}: {extra}")
     for i in s["interruptions"]:
         steps = "?" if i["lost_steps"] is None else f"{i['lost_steps']:g}"
         lines.append(f"  attempt {i['attempt']}: {i['interruption']} (status {i['status']}), "
