@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from ckrun import runstatus
 from ckrun.rundir import RunDir
 
