@@ -140,6 +140,10 @@ def _backend_options(f: Any) -> Any:
 @_allow_opt
 @click.option("--chaos-preempt-every", default=None, metavar="DURATION",
               help="Local profile: a drill notice every DURATION of child runtime (20s).")
+@click.option("--nproc-per-node", "nproc_per_node", type=int, default=None, metavar="N",
+              help="Processes per node: run the command under torchrun [1].")
+@click.option("--nnodes", type=int, default=None, metavar="M",
+              help="Nodes (one supervisor each; MASTER_ADDR required) [1].")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Any profile key, e.g. --set image=IMG --set partition=gpu (repeatable).")
 @_backend_options

@@ -62,7 +62,11 @@ class RunConfig:
             the run (crash-loop guard).
         backoff_s: first restart delay after a failure; doubles per failure, seconds.
         backoff_max_s: cap of the restart delay, seconds.
-        world_size: processes in the job (part of the launch identity).
+        world_size: processes in the job (part of the launch identity); set to
+            ``nproc_per_node * nnodes`` when that is above 1.
+        nproc_per_node: processes per node; above 1 (or ``nnodes`` above 1) the
+            supervisor runs the command under torchrun (:mod:`ckrun.torchrun`).
+        nnodes: nodes of the job (one supervisor per node).
         allow_change: compat fields allowed to differ on resume (``--allow-change``).
         notice_sources: cloud notice pollers to run: any of ``aws``, ``gcp``, ``azure``.
         options: the backend's frozen ``Options`` instance.
@@ -89,6 +93,8 @@ class RunConfig:
     backoff_s: float = 1.0
     backoff_max_s: float = 60.0
     world_size: int = 1
+    nproc_per_node: int = 1
+    nnodes: int = 1
     allow_change: tuple[str, ...] = ()
     notice_sources: tuple[str, ...] = ()
     options: Any = None
@@ -392,8 +398,28 @@ def resolve(
     cloud = _cloud_values({k: v for k, v in values.items() if k in extra})
     cfg = RunConfig(run=run, command=tuple(command), profile=profile, options=opts,
                     cloud=cloud, sources=sources, **common)
+    cfg = _launched_world(cfg)
     _validate(cfg)
     return cfg
+
+
+def _launched_world(cfg: RunConfig) -> RunConfig:
+    """``world_size`` = ``nproc_per_node * nnodes`` for a torchrun launch.
+
+    Raises:
+        ConfigError: a count below 1, or a ``world_size`` set explicitly to another value.
+    """
+    if cfg.nproc_per_node < 1 or cfg.nnodes < 1:
+        raise ConfigError(f"nproc_per_node ({cfg.nproc_per_node}) and nnodes ({cfg.nnodes}) "
+                          "must be >= 1")
+    launched = cfg.nproc_per_node * cfg.nnodes
+    if launched == 1 or cfg.world_size == launched:
+        return cfg
+    if cfg.sources.get("world_size", "default") != "default":
+        raise ConfigError(f"world_size {cfg.world_size} contradicts nproc_per_node "
+                          f"{cfg.nproc_per_node} x nnodes {cfg.nnodes} = {launched}; drop "
+                          "world_size (it is derived)")
+    return dataclasses.replace(cfg, world_size=launched)
 
 
 def _validate(cfg: RunConfig) -> None:

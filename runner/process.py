@@ -58,6 +58,9 @@ class Child:
     status: int | None = None
     exited: float | None = None
     signalled: list[int] = field(default_factory=list)
+    #: Sessions of descendants, tracked when not None (torchrun starts each worker in a
+    #: session of its own): see :func:`members`.
+    sids: set[int] | None = None
 
     @property
     def pgid(self) -> int:
@@ -66,7 +69,8 @@ class Child:
 
 
 def spawn(
-    argv: Sequence[str], env: Mapping[str, str], *, output_fd: int | None = None
+    argv: Sequence[str], env: Mapping[str, str], *, output_fd: int | None = None,
+    track_tree: bool = False,
 ) -> Child:
     """Start ``argv`` in a new session with environment ``env``.
 
@@ -75,6 +79,8 @@ def spawn(
         env: the complete environment of the child.
         output_fd: when given, the child's stdout and stderr go to this descriptor
             (detached mode); otherwise they are inherited (output streams through).
+        track_tree: also signal and wait for descendants that left the session
+            (torchrun's workers; :func:`members`).
 
     Raises:
         OSError: the command cannot be executed (``ENOENT``, ``EACCES``); the message
@@ -90,7 +96,8 @@ def spawn(
         )
     except OSError as e:
         raise OSError(e.errno, f"cannot run {argv[0]!r}: {e.strerror}") from e
-    return Child(pid=pid, argv=tuple(argv), started=time.monotonic())
+    return Child(pid=pid, argv=tuple(argv), started=time.monotonic(),
+                 sids=set() if track_tree else None)
 
 
 def exit_status(wait_status: int) -> int:
@@ -147,6 +154,17 @@ def session_pids(sid: int) -> list[int]:
     return sorted(out)
 
 
+def members(child: Child) -> list[int]:
+    """Live processes of ``child``'s launch: its session; with ``child.sids`` tracked also
+    its descendants and their sessions (:func:`ckrun.torchrun.family`, which updates
+    ``child.sids``)."""
+    if child.sids is None:
+        return session_pids(child.pid)
+    from ckrun.torchrun import family
+
+    return family(child.pid, child.sids)
+
+
 def catches(pid: int, sig: int) -> bool:
     """True when ``pid`` has a handler installed for ``sig`` (``SigCgt`` mask)."""
     try:
@@ -175,7 +193,7 @@ def deliver(child: Child, sig: int) -> list[int]:
     Returns:
         The pids signalled (possibly empty: then only ``notice.json`` informs the child).
     """
-    sent = [p for p in session_pids(child.pid) if catches(p, sig) and _kill(p, sig)]
+    sent = [p for p in members(child) if catches(p, sig) and _kill(p, sig)]
     child.signalled.append(sig)
     return sent
 
@@ -191,13 +209,13 @@ def signal_session(child: Child, sig: int) -> int:
     except (ProcessLookupError, PermissionError):
         pass
     child.signalled.append(sig)
-    return sum(_kill(p, sig) for p in session_pids(child.pid))
+    return sum(_kill(p, sig) for p in members(child))
 
 
 def session_alive(child: Child) -> bool:
     """True while any non-zombie process of ``child``'s session exists."""
     if os.path.isdir("/proc/self"):
-        return bool(session_pids(child.pid))
+        return bool(members(child))
     try:
         os.killpg(child.pgid, 0)
         return True

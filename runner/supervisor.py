@@ -41,7 +41,15 @@ from ckrun import statemachine as sm
 from ckrun.config import RunConfig, is_local_storage, storage_env
 from ckrun.errors import CkrunError
 from ckrun.events import EventLog
-from ckrun.notices import DRILL, PREEMPTION, TERMINATION, Notice, NoticeSource, utcnow
+from ckrun.notices import (
+    DRILL,
+    PREEMPTION,
+    TERMINATION,
+    TIME_LIMIT,
+    Notice,
+    NoticeSource,
+    utcnow,
+)
 from ckrun.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
 from ckrun.scheduler.base import JobInfo, RequeueOutcome, Scheduler
 from ckrun.statemachine import Phase, Policy, State, step
@@ -199,7 +207,10 @@ class Supervisor:
             n = Notice.with_lead(TERMINATION, f"signal:{name}", self.cfg.grace_s)
             self._queue.append(self._notice_event(n, now, self_term=True))
         elif sig == self.notice_sig:
-            n = Notice.with_lead(PREEMPTION, f"signal:{name}", self.cfg.grace_s)
+            # Slurm's --signal lead time warns of the time limit, not of a preemption
+            kind = TIME_LIMIT if self.job is not None and self.job.backend == "slurm" \
+                else PREEMPTION
+            n = Notice.with_lead(kind, f"signal:{name}", self.cfg.grace_s)
             self._queue.append(self._notice_event(n, now))
         elif sig in _FORWARD:
             self._queue.append(sm.Forward(sig, now))
@@ -223,6 +234,8 @@ class Supervisor:
         if c.pid in reaped:
             c.status, c.exited = reaped[c.pid], now
         if c.status is None:
+            if c.sids is not None:  # torchrun: learn the workers' sessions while it lives
+                process.members(c)
             return
         if process.session_alive(c):
             self._strays(c, now)
@@ -324,9 +337,10 @@ class Supervisor:
         if self.lock is not None:
             self.lock.update(attempt=a.attempt)
         try:
-            self.child = process.spawn(self.cfg.command, self._child_env(a.attempt,
-                                                                         a.resume_step))
-        except OSError as e:
+            self.child = process.spawn(self._command(), self._child_env(a.attempt,
+                                                                         a.resume_step),
+                                       track_tree=self.cfg.nproc_per_node * self.cfg.nnodes > 1)
+        except (OSError, CkrunError) as e:
             return sm.SpawnFailed(str(e), time.monotonic())
         for src in self.sources:
             hook = getattr(src, "attempt_started", None)
@@ -334,6 +348,15 @@ class Supervisor:
                 hook()
         self.events.append("spawn", pid=self.child.pid, command=list(self.cfg.command))
         return None
+
+    def _command(self) -> tuple[str, ...]:
+        """The command to spawn: under torchrun with ``nproc_per_node``/``nnodes`` > 1
+        (:func:`ckrun.torchrun.wrap`)."""
+        from ckrun import torchrun
+
+        cfg = self.cfg
+        return torchrun.wrap(cfg.command, nproc_per_node=cfg.nproc_per_node, nnodes=cfg.nnodes,
+                             node_rank=self.job.rank if self.job else 0, grace_s=cfg.grace_s)
 
     def _requeue(self) -> sm.Event:
         now = time.monotonic()
