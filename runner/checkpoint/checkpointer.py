@@ -19,11 +19,12 @@ import platform
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from ckrun.checkpoint import distributed, layout, retention
 from ckrun.checkpoint import format as fmt
+from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.compat import compare, git_state, normalize, parse_allow_change
 from ckrun.checkpoint.discovery import completion, scan
 from ckrun.checkpoint.env import env_int, install_excepthook
@@ -42,6 +43,10 @@ from ckrun.errors import (
     StorageError,
 )
 from ckrun.storage.base import Storage
+
+if TYPE_CHECKING:
+    from ckrun.checkpoint.async_save import AsyncSaver
+    from ckrun.checkpoint.interval import AutoInterval, IntervalEstimate
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,11 @@ class Checkpointer:
         policy: compat field → ``strict``/``warn``/``ignore`` overrides.
         rng: capture and restore RNG states.
         resume_step: the supervisor's hint of the step to resume (logged if different).
+        checkpoint_every: for :meth:`should_save`: a number of steps, or ``"auto"``
+            (Young/Daly interval from measured save costs and interruptions, see
+            :mod:`ckrun.checkpoint.interval`).
+        mtbi_s: mean time between interruptions for ``"auto"``, seconds (default
+            ``CKRUN_MTBI_S``, else the run's history).
         lock: take ``locks/writer.lock`` on first load/save (rank 0 only).
         seed: base seed of the RNG reseed when resuming on another world size.
 
@@ -109,6 +119,7 @@ class Checkpointer:
 
     def __init__(self, storage: str | Storage, compat: Mapping[str, Any] | None = None, *,
                  keep_last: int = 3, milestone_every: int | None = None,
+                 checkpoint_every: int | str | None = None, mtbi_s: float | None = None,
                  allow_change: Sequence[str] = (), run: str | None = None,
                  attempt: int | None = None, policy: Mapping[str, str] | None = None,
                  rng: bool = True, resume_step: int | None = None, lock: bool = True,
@@ -137,6 +148,11 @@ class Checkpointer:
         self._verified: set[str] = set()
         self._written: Manifest | None = None  # the last manifest this process committed
         self._complete = False
+        from ckrun.checkpoint.interval import parse_every
+
+        self._every, self._mtbi_s = parse_every(checkpoint_every), mtbi_s
+        self._async: AsyncSaver | None = None  # issue 7: background persist
+        self._auto: AutoInterval | None = None
         self._lock = (WriterLock(self.storage, run=self.run, attempt=self.attempt)
                       if lock and self.rank == 0 else None)
 
@@ -324,6 +340,10 @@ class Checkpointer:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
         self._check_not_complete()
         self._acquire()
+        if self._async is not None:  # an async save in flight first (deadline-aware)
+            early = self._async.before_sync_save(step, kind)
+            if early is not None:
+                return early
         last = self._written
         if last is not None and last.step == step and last.kind == kind:
             # e.g. a periodic save and then a preemption save at the same step boundary
@@ -367,7 +387,7 @@ class Checkpointer:
                                f"{size} bytes; the storage lost the write")
         m = make((ShardInfo(key, self.rank, size, checksum),), layout.manifest_key(step, area))
         mkey = m.key
-        self.storage.put(mkey, m.dumps())
+        m = commit_manifest(self.storage, m)  # conditional create: one commit per step
         self._verified.add(mkey)
         self._written = m
         log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size,
@@ -387,6 +407,66 @@ class Checkpointer:
             versions={"ckrun": str(compat.get("ckrun_version")), "torch": torch.__version__,
                       "python": platform.python_version()},
             compat_drift=tuple(self._drift), key=mkey)
+
+    # -- async saves and the checkpoint interval (issue 7) ------------------------------
+
+    def async_save(self, step: int, state: Mapping[str, Any], *,
+                   metrics: Mapping[str, Any] | None = None) -> SaveHandle:
+        """Snapshot ``state`` into reused host buffers; persist and commit in the background.
+
+        Returns once the snapshot is copied (training may change ``state`` right away);
+        ``handle.result()`` returns the manifest once the commit is durable.  At most one
+        save is in flight: a second ``async_save`` or ``save`` first waits for it.  With
+        more than one rank this saves synchronously (the distributed commit is a
+        collective).  See :mod:`ckrun.checkpoint.async_save`.
+
+        Raises:
+            The previous background save's error (once); otherwise as :meth:`save` for
+            the snapshot.  Persist errors surface on the handle, the next save,
+            :meth:`wait` or :meth:`close`.
+        """
+        from ckrun.checkpoint import async_save as aio
+
+        if self.world_size > 1:
+            aio.warn_sync_fallback(self.world_size)
+            return SaveHandle.completed(self.save(step, state, metrics=metrics))
+        if self._async is None:
+            self._async = aio.AsyncSaver(self)
+        return self._async.save(step, state, metrics)
+
+    def wait(self) -> Manifest | None:
+        """Wait for the in-flight ``async_save``; its manifest, or None when none.
+
+        Raises:
+            The background save's error, unless already raised or seen on its handle.
+        """
+        return None if self._async is None else self._async.drain()
+
+    def should_save(self, step: int, *, sync: bool = False) -> bool:
+        """Whether to save after ``step`` under ``checkpoint_every``.
+
+        An int N: ``step`` is a positive multiple of N.  ``"auto"``: the Young/Daly
+        interval (:mod:`ckrun.checkpoint.interval`) of compute has passed since the last
+        True.  ``sync=True`` makes every rank agree (all-reduce MAX, one collective).
+
+        Raises:
+            ConfigError: the Checkpointer has no ``checkpoint_every``.
+        """
+        from ckrun.checkpoint import interval
+
+        if self._auto is None and self._every == "auto":
+            self._auto = interval.auto_for(self)
+        return interval.should_save(self._every, self._auto, step, sync=sync)
+
+    def interval(self) -> IntervalEstimate | None:
+        """The interval ``"auto"`` picks now (None without ``checkpoint_every="auto"``)."""
+        from ckrun.checkpoint import interval
+
+        if self._every != "auto":
+            return None
+        if self._auto is None:
+            self._auto = interval.auto_for(self)
+        return self._auto.current()
 
     def _retain(self, m: Manifest) -> None:
         if self.rank != 0:  # rank 0 alone deletes
@@ -417,9 +497,13 @@ class Checkpointer:
             self._lock.acquire()
 
     def close(self) -> None:
-        """Release the writer lock."""
-        if self._lock is not None:
-            self._lock.release()
+        """Drain an in-flight async save (raising its error), release the writer lock."""
+        try:
+            if self._async is not None:
+                self._async.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,0 +1,361 @@
+"""Background persist for ``Checkpointer.async_save`` (issue 7; DESIGN.md §3 step 1).
+
+``async_save`` blocks only for the snapshot: the state (and RNG) is flattened and every
+tensor is copied into host buffers allocated on the first save and reused by the next
+ones (one arena, 64-byte aligned views; pinned memory when a tensor lives on a GPU, so the
+device-to-host copies are DMA — that path is written but untested here: no GPU).  Steps
+2-5 of the commit protocol (persist with CRC32C, verify, manifest, retention) run on one
+worker thread; at most one save is in flight (the next ``async_save`` or ``save`` waits for
+it, since it reuses the buffers).  A checkpoint exists only once its manifest is written,
+so ``latest()``, discovery and retention see an async save only after its background
+commit is durable; a process killed during the persist leaves the previous checkpoint.
+
+Errors of the worker surface on ``handle.result()``, else on the next save, ``wait()`` or
+``close()`` (each failure is raised once).  At interpreter exit the in-flight save is
+finished before ``concurrent.futures`` shuts down (see :func:`_at_exit`); an unobserved
+failure is then printed.  ``os._exit`` or a signal that kills the process skips this: the
+previous checkpoint stays the newest.
+
+The worker lowers its CPU priority (``nice`` +10 on its own thread id; threads it starts,
+such as the O_DIRECT writer's, inherit it) and its I/O priority (``ioprio_set``
+best-effort class, level 7; only the BFQ scheduler honours it), so a training loop keeps
+the CPUs while the persist waits on the disk.
+
+Emergency saves: a synchronous ``save`` while a save is in flight reads the notice
+(``ckrun.control.read_notice``).  If its deadline leaves time for the in-flight persist and
+then a full save (estimated from the last measured durations, x :data:`SAFETY`), it waits
+and saves the current state; otherwise it only waits for the in-flight save and returns
+that manifest: the newest complete snapshot is committed instead of racing the deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import ctypes
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+from ckrun.checkpoint import format as fmt
+from ckrun.checkpoint.checkpointer import SaveHandle
+from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ckrun.checkpoint.checkpointer import Checkpointer
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+#: Persist rate assumed before one is measured, bytes/s (conservative for local disks).
+DEFAULT_RATE = 200e6
+#: Margin on estimated durations when deciding whether a deadline allows a new save.
+SAFETY = 1.5
+PERSIST_NICE = 10
+_IOPRIO_SYSCALL = {"x86_64": 251, "aarch64": 30}
+
+
+def lower_priority(nice: int = PERSIST_NICE) -> None:
+    """Lower the calling thread's CPU (``nice``) and I/O priority; best effort."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except (AttributeError, OSError):
+        pass
+    nr = _IOPRIO_SYSCALL.get(platform.machine())
+    if nr is None:
+        return
+    try:  # ioprio_set(IOPRIO_WHO_PROCESS, tid, IOPRIO_PRIO_VALUE(IOPRIO_CLASS_BE, 7))
+        ctypes.CDLL(None, use_errno=True).syscall(nr, 1, tid, (2 << 13) | 7)
+    except (OSError, AttributeError):
+        pass
+
+
+class HostBuffers:
+    """Host copies of a snapshot's tensors in one arena, allocated once and reused.
+
+    The arena is reallocated only when the tensors no longer fit (or when pinned memory
+    becomes needed); views are re-laid out when shapes or dtypes change.
+    """
+
+    def __init__(self) -> None:
+        self._arena: torch.Tensor | None = None
+        self._pinned = False
+        self._sig: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None
+        self._views: list[torch.Tensor] = []
+        self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arena."""
+        return 0 if self._arena is None else int(self._arena.numel())
+
+    def data_ptr(self) -> int:
+        """Address of the arena (0 when none): equal across saves means reused."""
+        return 0 if self._arena is None else int(self._arena.data_ptr())
+
+    def _layout(self, tensors: list[torch.Tensor], pinned: bool) -> None:
+        offs, end = [], 0
+        for t in tensors:
+            end = -(-end // ALIGN) * ALIGN
+            offs.append(end)
+            end += t.numel() * t.element_size()
+        if self._arena is None or self.nbytes < end or (pinned and not self._pinned):
+            self._arena = None  # free the old one first: peak stays one copy
+            self._arena = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=pinned)
+            self._pinned = pinned
+            self.allocations += 1
+        arena = self._arena
+        self._views = [arena[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                       for o, t in zip(offs, tensors, strict=True)]
+        self._sig = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+    def stage(self, snap: fmt.Snapshot) -> fmt.Snapshot:
+        """Copy ``snap``'s tensors into the arena; returns a snapshot of the copies.
+
+        NumPy arrays (small: RNG states) are copied into fresh arrays.  Returns once every
+        copy is complete (device copies synchronised).
+        """
+        tensors = [t for t in snap.tensors if isinstance(t, torch.Tensor)]
+        devices = {t.device for t in tensors if t.device.type != "cpu"}
+        pinned = bool(devices) and torch.cuda.is_available()
+        sig = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+        if sig != self._sig or (pinned and not self._pinned):
+            self._layout(tensors, pinned)
+        out: list[fmt.HostArray] = []
+        views = iter(self._views)
+        with torch.no_grad():
+            for t in snap.tensors:
+                if isinstance(t, torch.Tensor):
+                    dst = next(views)
+                    dst.copy_(t, non_blocking=t.device.type == "cuda" and self._pinned)
+                    out.append(dst)
+                else:
+                    out.append(t.copy())
+        for d in devices:  # the non-blocking D2H copies must land before we return
+            if d.type == "cuda":
+                torch.cuda.current_stream(d).synchronize()
+        return fmt.Snapshot(snap.tree, out, snap.nbytes)
+
+
+class AsyncSaveHandle(SaveHandle):
+    """A background save: ``result()`` waits for its durable commit.
+
+    Attributes:
+        step: the step being saved.
+        stall_s: seconds ``async_save`` blocked the caller (the snapshot).
+        nbytes: tensor bytes snapshotted.
+    """
+
+    def __init__(self, future: Future[Manifest], step: int, stall_s: float, nbytes: int,
+                 started: float) -> None:
+        super().__init__(future)
+        self.step, self.stall_s, self.nbytes, self.started = step, stall_s, nbytes, started
+        self.observed = False
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        """Wait (at most ``timeout`` s) for the commit; re-raises the worker's error."""
+        self.observed = True
+        return super().result(timeout)
+
+    def error(self) -> BaseException | None:
+        """The worker's exception once done (None while running or on success)."""
+        return self._future.exception() if self._future.done() else None
+
+
+class AsyncSaver:
+    """The background persist of one :class:`Checkpointer` (see module docstring)."""
+
+    def __init__(self, ckpt: Checkpointer, *, nice: int = PERSIST_NICE) -> None:
+        self._ckpt = ckpt
+        self.buffers = HostBuffers()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckrun-persist",
+                                        initializer=lower_priority, initargs=(nice,))
+        self._inflight: AsyncSaveHandle | None = None
+        self._lock = threading.Lock()
+        self.last_stall_s: float | None = None
+        self.last_durable_s: float | None = None  # async_save call -> commit
+        self.last_persist_s: float | None = None  # worker start -> commit
+        self._closed = False
+        _at_exit(weakref.ref(self))
+
+    # -- the save -------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any],
+             metrics: Mapping[str, Any] | None) -> SaveHandle:
+        """Snapshot now, persist in the background; see ``Checkpointer.async_save``.
+
+        Returns:
+            An :class:`AsyncSaveHandle`, or a completed handle when this process already
+            committed ``step``.
+        """
+        started, created = time.monotonic(), utc_now()
+        check_step(step)
+        if self._closed:
+            raise CheckpointError("async_save after close(): create a new Checkpointer")
+        ck = self._ckpt
+        ck._check_not_complete()
+        ck._acquire()
+        milestone = bool(ck.milestone_every and step % ck.milestone_every == 0)
+        kind = "milestone" if milestone else "recovery"
+        with self._lock:
+            self.drain()
+            last = ck._written
+            if last is not None and last.step == step and last.kind == kind:
+                log.info("step %d already committed by this process: not saving it again", step)
+                return SaveHandle.completed(last)
+            compat = ck.compat_block(state)
+            snap = self.buffers.stage(ck.snapshot(state))
+            meta = copy.deepcopy(dict(metrics or {}))
+            stall = time.monotonic() - started
+            fut = self._pool.submit(self._persist, step, snap, kind, compat, meta, created,
+                                    started)
+            h = AsyncSaveHandle(fut, step, stall, snap.nbytes, started)
+            self._inflight, self.last_stall_s = h, stall
+        return h
+
+    def _persist(self, step: int, snap: fmt.Snapshot, kind: str, compat: dict[str, Any],
+                 metrics: dict[str, Any], created: str, started: float) -> Manifest:
+        t0 = time.monotonic()
+        m = self._ckpt.persist(step, snap, kind=kind, compat=compat, metrics=metrics,
+                               created_utc=created, started=started)
+        self.last_persist_s = time.monotonic() - t0
+        self.last_durable_s = time.monotonic() - started
+        self._ckpt._retain(m)
+        return m
+
+    # -- waiting --------------------------------------------------------------------
+
+    def drain(self) -> Manifest | None:
+        """Wait for the in-flight save; raise its error unless already observed.
+
+        Returns:
+            Its manifest, or None when nothing was in flight (or it failed, observed).
+        """
+        h = self._inflight
+        if h is None:
+            return None
+        self._inflight = None
+        err = h._future.exception()  # waits
+        if err is None:
+            return h._future.result()
+        if h.observed:
+            return None
+        h.observed = True
+        err.add_note(f"raised by the background save of step {h.step} (ckrun async_save)")
+        raise err
+
+    def inflight(self) -> AsyncSaveHandle | None:
+        """The save in flight (done or not) that nobody has drained yet."""
+        return self._inflight
+
+    def before_sync_save(self, step: int, kind: str) -> Manifest | None:
+        """Called by ``save``/``finalize`` first: drain, or (deadline) commit the snapshot.
+
+        Returns:
+            A manifest to return instead of saving (the in-flight snapshot, committed
+            because the notice deadline does not leave time for a new save), else None.
+
+        Raises:
+            Exception: the in-flight save's error (raised once).
+        """
+        h = self._inflight
+        if h is None or h.done() or kind == "final":
+            self.drain()
+            return None
+        from ckrun.control import read_notice
+
+        notice = read_notice()
+        if notice is None:
+            self.drain()
+            return None
+        left = notice.seconds_left()
+        rest, new = self.estimates(h)
+        if left >= SAFETY * (rest + new):
+            log.info("emergency save of step %d: waiting for the in-flight save of step %d "
+                     "(~%.1f s) and then saving (~%.1f s), %.1f s before the deadline",
+                     step, h.step, rest, new, left)
+            self.drain()
+            return None
+        m = self.drain()
+        if m is not None:
+            log.warning("emergency save of step %d: %.1f s to the deadline do not allow a new "
+                        "save after the in-flight one (~%.1f s + ~%.1f s); committed the "
+                        "in-flight snapshot of step %d instead (steps %d..%d are lost)",
+                        step, left, rest, new, m.step, m.step + 1, step)
+        return m
+
+    def estimates(self, h: AsyncSaveHandle) -> tuple[float, float]:
+        """Seconds left for the in-flight save ``h`` and for a new synchronous save."""
+        w = self._ckpt._written
+        rate = (h.nbytes / self.last_persist_s if self.last_persist_s
+                else (w.total_size_bytes / w.save_duration_s if w and w.save_duration_s
+                      else DEFAULT_RATE))
+        whole = h.nbytes / max(rate, 1.0)
+        rest = max(0.0, whole - (time.monotonic() - h.started - h.stall_s))
+        return rest, whole
+
+    def close(self) -> None:
+        """Drain (raising an unobserved error) and stop the worker."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+
+def _at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
+    """Drain at interpreter exit, before ``concurrent.futures`` refuses new work.
+
+    ``threading._register_atexit`` callbacks run (last registered first) before
+    non-daemon threads are joined and before ``concurrent.futures`` shuts its executors
+    down, which the persist still needs (the O_DIRECT writer submits to a pool); plain
+    ``atexit`` runs too late for that and is only the fallback.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if callable(register):
+        register(_drain_at_exit, ref)
+    else:
+        atexit.register(_drain_at_exit, ref)
+
+
+def _drain_at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
+    """atexit: finish the in-flight save; an error can no longer be raised: print it."""
+    saver = ref()
+    if saver is None:
+        return
+    try:
+        saver.close()
+    except BaseException as e:
+        log.error("ckrun: the background checkpoint save failed at exit: %s", e)
+        print(f"ckrun: the background checkpoint save failed at exit: {e}", file=sys.stderr,
+              flush=True)
+
+
+def check_step(step: Any) -> None:
+    """Raise CheckpointError unless ``step`` is an int >= 0."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+
+
+_warned: list[bool] = []
+
+
+def warn_sync_fallback(world_size: int) -> None:
+    """Log once that ``async_save`` saves synchronously on more than one rank."""
+    if not _warned:
+        _warned.append(True)
+        log.warning("async_save with %d ranks saves synchronously: the distributed commit "
+                    "is a collective, which cannot run on a background thread", world_size)

@@ -1,0 +1,105 @@
+"""Step 4 of a save: the manifest as a conditional create (DESIGN.md §3, commit protocol).
+
+The manifest is written with ``put(key, body, if_absent=True)`` (local: ``link(2)``; S3:
+``If-None-Match: *``), so two attempts can never both commit one step: the second one
+gets ``ObjectExists`` and this module decides, after reading the existing manifest:
+
+* it verifies (every shard present with its size and CRC32C) and names the same shard
+  contents as ours (same sizes and checksums: a deterministic re-run of the step) — it
+  is returned, nothing is overwritten;
+* it verifies and differs — :class:`StepAlreadyCommitted` is raised: another writer
+  committed this step; ours stays an uncommitted (invisible) shard;
+* it is corrupt (unparseable, a shard missing, truncated or failing its checksum: e.g. a
+  checkpoint ``load()`` skipped, and the run re-reached that step) — it is deleted (the
+  manifest only: its shards are never named again and are collected by retention) and
+  the create is retried once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.verify import verify_manifest
+from ckrun.errors import CheckpointError, CorruptCheckpoint, ObjectExists, ObjectNotFound
+from ckrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+# problems of ckrun.checkpoint.verify that say "could not read", not "is bad"
+_TRANSIENT = ("cannot stat", "cannot read", "read error")
+
+
+class StepAlreadyCommitted(CheckpointError):
+    """A verified manifest of this step, with other contents, exists (another writer)."""
+
+    def __init__(self, message: str, *, existing: Manifest):
+        super().__init__(message)
+        self.existing = existing
+
+
+def _existing(storage: Storage, key: str) -> tuple[Manifest | None, list[str]]:
+    """The manifest under ``key`` and its problems (empty: it verifies)."""
+    try:
+        m = Manifest.loads(storage.get(key), key=key)
+    except ObjectNotFound:
+        return None, []
+    except CorruptCheckpoint as e:
+        return None, [str(e)]
+    problems = verify_manifest(storage, m)
+    transient = [p for p in problems if any(w in p for w in _TRANSIENT)]
+    if transient:  # never delete a manifest we could not read: it may be good
+        raise CheckpointError(f"{key} exists and cannot be checked ({'; '.join(transient)}); "
+                              "retry the save once the storage is reachable")
+    return m, problems
+
+
+def _same_contents(a: Manifest, b: Manifest) -> bool:
+    def sig(m: Manifest) -> list[tuple[int, int, str]]:
+        return sorted((s.rank, s.size_bytes, s.checksum) for s in m.shards)
+
+    return a.kind == b.kind and a.world_size == b.world_size and sig(a) == sig(b)
+
+
+def commit_manifest(storage: Storage, m: Manifest) -> Manifest:
+    """Create ``m.key`` only if absent; returns the manifest that is committed there.
+
+    Returns:
+        ``m``, or an existing verified manifest of the same contents.
+
+    Raises:
+        StepAlreadyCommitted: a verified manifest with other contents exists.
+        CheckpointError: a corrupt manifest came back after it was deleted (a concurrent
+            writer).
+        StorageError: the storage failed.
+    """
+    body = m.dumps()
+    for retry in (False, True):
+        try:
+            storage.put(m.key, body, if_absent=True)
+            return m
+        except ObjectExists:
+            pass
+        old, problems = _existing(storage, m.key)
+        if old is None and not problems:
+            continue  # deleted between the create and the read: try again
+        if not problems:
+            assert old is not None
+            if _same_contents(old, m):
+                log.info("step %d already committed with identical shards (attempt %d): "
+                         "keeping that manifest", m.step, old.attempt)
+                return old
+            raise StepAlreadyCommitted(
+                f"{m.key}: step {m.step} was already committed by attempt {old.attempt} "
+                f"at {old.committed_utc} with other contents, and that checkpoint verifies; "
+                "it is not overwritten (two writers of one run?). Make sure a single "
+                "process writes this run, or save under a new step or run directory",
+                existing=old)
+        if retry:
+            break
+        log.warning("%s exists but is corrupt (%s): deleting it and committing step %d again",
+                    m.key, "; ".join(problems), m.step)
+        storage.delete([m.key])
+    raise CheckpointError(f"{m.key}: the manifest of step {m.step} could not be created: a "
+                          "corrupt one reappeared after it was deleted (another writer of "
+                          "this run?)")
