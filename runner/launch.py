@@ -140,6 +140,28 @@ def supervise(cfg: RunConfig, run_name: str, backend: str | None = None, *,
         return int(Supervisor(cfg, rundir, sched, job, sources, lock=lock).run())
 
 
+def job_env(cfg: RunConfig) -> dict[str, str]:
+    """``CKRUN_<KEY>`` for every value given on the command line or in the environment
+    at submit time, so the job's own ``ckrun run`` (a pod or a fresh VM without the
+    submitter's ``run.json``) resolves the same configuration; profile values travel as
+    ``--profile``.  Backend options (image, partition, ...) shape the job itself and stay
+    out; the storage base travels as ``--storage``."""
+    from ckrun.config import common_keys, env_name
+
+    skip = {"storage", "state_dir", "scheduler"}
+    backend = {f.name for f in dataclasses.fields(cfg.options)} if cfg.options else set()
+    out: dict[str, str] = {}
+    for key, src in cfg.sources.items():
+        if key in skip or key in backend or not (src == "cli" or src.startswith("env:")):
+            continue
+        value = getattr(cfg, key) if key in common_keys() else cfg.cloud.get(key)
+        if value is None:
+            continue
+        out[env_name(key)] = (",".join(map(str, value)) if isinstance(value, (tuple, list))
+                              else f"{value:g}" if isinstance(value, float) else str(value))
+    return out
+
+
 def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
            run_name: str | None, *, detach: bool = False, dry_run: bool = False) -> int:
     """``ckrun submit`` (see the module docstring); returns the exit code."""
@@ -148,10 +170,10 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
     local = cfg.scheduler == "local"
     rundir = _submit_state(cfg)
     sched = scheduler_for(cfg.scheduler, cfg)
-    args: list[str] = ["--storage", cfg.storage]
+    args: list[str] = ["--storage", cfg.storage, "--profile", profile]
     for f in cfg.allow_change:
         args += ["--allow-change", f]
-    env = {}
+    env = {} if local else job_env(cfg)
     if local and rundir is not None:
         env["CKRUN_SUPERVISOR_LOG"] = rundir.log_path
     if cfg.state_dir:

@@ -42,3 +42,23 @@ def test_option_of_another_backend_is_refused(tmp_path: Path) -> None:
     r = _ckrun("submit", "train.py", "--image", "x", "--dry-run", cwd=tmp_path)
     assert r.returncode == 3
     assert "unknown config key(s) image" in r.stderr and "valid keys" in r.stderr
+
+
+def test_submit_time_values_travel_to_the_job(tmp_path: Path) -> None:
+    """A pod has no run.json: the values given at submit reach its `ckrun run` as env,
+    the profile as --profile."""
+    r = _ckrun("submit", "train.py", "--profile", "k8s", "--image", "i:1", "--storage",
+               "s3://b/runs", "--max-requeues", "7", "--set", "endpoint_url=http://minio:9000",
+               "--allow-change", "config.lr", "--dry-run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    job = next(d for d in yaml.safe_load_all(r.stdout[r.stdout.index("apiVersion"):])
+               if d and d.get("kind") == "Job")
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    cmd = c["command"]
+    assert cmd[cmd.index("--profile") + 1] == "k8s"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["CKRUN_MAX_REQUEUES"] == "7"
+    assert env["CKRUN_ENDPOINT_URL"] == "http://minio:9000"
+    assert env["CKRUN_ALLOW_CHANGE"] == "config.lr"
+    assert "CKRUN_MAX_FAILURES" not in env  # a profile default stays with the profile
+    assert "CKRUN_IMAGE" not in env  # backend options shape the Job, not the supervisor
