@@ -54,7 +54,7 @@ def test_mutation_after_return_does_not_leak(run_dir: Path) -> None:
         assert h.result(60).step == 4
     fresh = make_state(7)
     with ckrun.Checkpointer(storage=str(run_dir)) as ck2:
-        assert ck2.load(fresh).step == 4  # type: ignore[union-attr]
+        assert ck2.load(fresh).step == 4
     assert all(torch.equal(a, b) for a, b in zip(before, _flat(fresh), strict=True))
     assert fresh["extra"]["epoch"] == 0
 
@@ -68,12 +68,12 @@ def test_latest_and_retention_move_only_after_the_commit(run_dir: Path) -> None:
         h = ck.async_save(2, s)
         assert st.started.wait(30)  # the worker is inside the shard write
         assert _steps(run_dir) == [1]
-        assert ck.latest() is not None and ck.latest().step == 1  # type: ignore[union-attr]
+        assert ck.latest() is not None and ck.latest().step == 1
         assert not h.done()
         st.gate.set()
         m = ck.wait()
         assert m is not None and m.step == 2
-        assert ck.latest().step == 2  # type: ignore[union-attr]
+        assert ck.latest().step == 2
     assert _steps(run_dir) == [2]  # retention ran after the commit, keep_last=1
 
 
@@ -90,7 +90,7 @@ def test_host_buffers_allocated_once_and_reused(run_dir: Path) -> None:
         big = make_state(1, width=64)  # more bytes: one new arena, then reused again
         ck.async_save(5, big)
         ck.async_save(6, big)
-        assert ck.wait().step == 6  # type: ignore[union-attr]
+        assert ck.wait().step == 6
         assert ck._async.buffers.allocations == 2
     got = make_state(2, width=64)
     with ckrun.Checkpointer(storage=str(run_dir)) as ck2:

@@ -9,11 +9,13 @@ Usage: python train_tiny.py RUN_DIR TOTAL_STEPS STOP_AT OUT
 Exercises: dropout (global torch RNG), python/numpy RNG draws, a shuffled dataset read
 through ckrun.ResumableSampler across epoch boundaries, AdamW, a LambdaLR-free scheduler
 (OneCycleLR), a CPU GradScaler with bf16 autocast, gradient accumulation (2 micro-batches
-per optimizer step) and a periodic save every 4 steps.
+per optimizer step) and a periodic save every 4 steps (with ``CKRUN_TEST_ASYNC=1`` the
+periodic and the stop saves are ``async_save``: the process exits with one in flight).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 
@@ -50,6 +52,8 @@ def main() -> int:
     ck = ckrun.Checkpointer(storage=run_dir, compat={"config": {"lr": 3e-3}, "model_version":
                             "tiny", "dataset_version": "synthetic", "precision": "bf16"},
                             keep_last=2)
+    # CKRUN_TEST_ASYNC=1: background saves (issue 7)
+    save = ck.async_save if os.environ.get("CKRUN_TEST_ASYNC") == "1" else ck.save
     m = ck.load(state)
     start = m.step + 1 if m else 1
     it = iter(loader)
@@ -75,10 +79,10 @@ def main() -> int:
         sched.step()
         extra["noise"] += float(torch.rand(()))
         if step == stop_at:
-            ck.save(step, state)
+            save(step, state)  # async: exits with the save in flight, drained at exit
             return 75
         if step % 4 == 0:
-            ck.save(step, state)
+            save(step, state)
     ck.finalize(total, state)
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     for pid, st in opt.state_dict()["state"].items():
