@@ -235,7 +235,9 @@ class Supervisor:
             c.status, c.exited = reaped[c.pid], now
         if c.status is None:
             if c.sids is not None:  # torchrun: learn the workers' sessions while it lives
-                process.members(c)
+                from ckrun.torchrun import track
+
+                track(c.pid, c.sids, now)
             return
         if process.session_alive(c):
             self._strays(c, now)
