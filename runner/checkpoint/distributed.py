@@ -118,8 +118,11 @@ def allowed_changes(m: Manifest, world_size: int) -> tuple[str, ...]:
 class Group:
     """The checkpoint's own gloo process group (CPU objects; a single process: no-op).
 
-    Created lazily by the first collective: every rank must reach it (``load``/``save``
-    are collectives).
+    Created here when ``torch.distributed`` is already initialised (the Checkpointer is
+    built at the same point of the program on every rank, in the main thread), else by
+    the first collective (``load``/``save`` are collectives).  A group of its own keeps
+    the checkpoint's gathers apart from the training's collectives, so a save persisted
+    by a background thread (``async_save``) cannot interleave with DDP's all-reduces.
 
     Raises:
         ConfigError: ``world_size > 1`` but ``torch.distributed`` is not initialised.
@@ -128,6 +131,10 @@ class Group:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self._pg: Any = None
+        import torch.distributed as dist
+
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            self._group()
 
     def _group(self) -> Any:
         import torch.distributed as dist
