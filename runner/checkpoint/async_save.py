@@ -2,13 +2,15 @@
 
 ``async_save`` blocks only for the snapshot: the state (and RNG) is flattened and every
 tensor is copied into host buffers allocated on the first save and reused by the next
-ones (one arena, 64-byte aligned views; pinned memory when a tensor lives on a GPU, so the
-device-to-host copies are DMA — that path is written but untested here: no GPU).  Steps
-2-5 of the commit protocol (persist with CRC32C, verify, manifest, retention) run on one
-worker thread; at most one save is in flight (the next ``async_save`` or ``save`` waits for
-it, since it reuses the buffers).  A checkpoint exists only once its manifest is written,
-so ``latest()``, discovery and retention see an async save only after its background
-commit is durable; a process killed during the persist leaves the previous checkpoint.
+ones (:class:`ckrun.checkpoint.arena.HostBuffers`: one arena in the shard's data layout;
+pinned memory when a tensor lives on a GPU, so the device-to-host copies are DMA — that
+path is written but untested here: no GPU).  Steps 2-5 of the commit protocol (persist
+with CRC32C, verify, manifest, retention) run on one worker thread; on a local disk the
+shard is written with ``O_DIRECT`` straight from the arena (no staging copy).  At most
+one save is in flight (the next ``async_save`` or ``save`` waits for it, since it reuses
+the buffers).  A checkpoint exists only once its manifest is written, so ``latest()``,
+discovery and retention see an async save only after its background commit is durable;
+a process killed during the persist leaves the previous checkpoint.
 
 Errors of the worker surface on ``handle.result()``, else on the next save, ``wait()`` or
 ``close()`` (each failure is raised once).  At interpreter exit the in-flight save is
@@ -44,8 +46,8 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import torch
 from ckrun.checkpoint import format as fmt
+from ckrun.checkpoint.arena import HostBuffers
 from ckrun.checkpoint.checkpointer import SaveHandle
 from ckrun.checkpoint.manifest import Manifest, utc_now
 from ckrun.errors import CheckpointError
@@ -55,7 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ALIGN = 64
 #: Persist rate assumed before one is measured, bytes/s (conservative for local disks).
 DEFAULT_RATE = 200e6
 #: Margin on estimated durations when deciding whether a deadline allows a new save.
@@ -78,73 +79,6 @@ def lower_priority(nice: int = PERSIST_NICE) -> None:
         ctypes.CDLL(None, use_errno=True).syscall(nr, 1, tid, (2 << 13) | 7)
     except (OSError, AttributeError):
         pass
-
-
-class HostBuffers:
-    """Host copies of a snapshot's tensors in one arena, allocated once and reused.
-
-    The arena is reallocated only when the tensors no longer fit (or when pinned memory
-    becomes needed); views are re-laid out when shapes or dtypes change.
-    """
-
-    def __init__(self) -> None:
-        self._arena: torch.Tensor | None = None
-        self._pinned = False
-        self._sig: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None
-        self._views: list[torch.Tensor] = []
-        self.allocations = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the arena."""
-        return 0 if self._arena is None else int(self._arena.numel())
-
-    def data_ptr(self) -> int:
-        """Address of the arena (0 when none): equal across saves means reused."""
-        return 0 if self._arena is None else int(self._arena.data_ptr())
-
-    def _layout(self, tensors: list[torch.Tensor], pinned: bool) -> None:
-        offs, end = [], 0
-        for t in tensors:
-            end = -(-end // ALIGN) * ALIGN
-            offs.append(end)
-            end += t.numel() * t.element_size()
-        if self._arena is None or self.nbytes < end or (pinned and not self._pinned):
-            self._arena = None  # free the old one first: peak stays one copy
-            self._arena = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=pinned)
-            self._pinned = pinned
-            self.allocations += 1
-        arena = self._arena
-        self._views = [arena[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                       for o, t in zip(offs, tensors, strict=True)]
-        self._sig = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-
-    def stage(self, snap: fmt.Snapshot) -> fmt.Snapshot:
-        """Copy ``snap``'s tensors into the arena; returns a snapshot of the copies.
-
-        NumPy arrays (small: RNG states) are copied into fresh arrays.  Returns once every
-        copy is complete (device copies synchronised).
-        """
-        tensors = [t for t in snap.tensors if isinstance(t, torch.Tensor)]
-        devices = {t.device for t in tensors if t.device.type != "cpu"}
-        pinned = bool(devices) and torch.cuda.is_available()
-        sig = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-        if sig != self._sig or (pinned and not self._pinned):
-            self._layout(tensors, pinned)
-        out: list[fmt.HostArray] = []
-        views = iter(self._views)
-        with torch.no_grad():
-            for t in snap.tensors:
-                if isinstance(t, torch.Tensor):
-                    dst = next(views)
-                    dst.copy_(t, non_blocking=t.device.type == "cuda" and self._pinned)
-                    out.append(dst)
-                else:
-                    out.append(t.copy())
-        for d in devices:  # the non-blocking D2H copies must land before we return
-            if d.type == "cuda":
-                torch.cuda.current_stream(d).synchronize()
-        return fmt.Snapshot(snap.tree, out, snap.nbytes)
 
 
 class AsyncSaveHandle(SaveHandle):
@@ -227,7 +161,8 @@ class AsyncSaver:
                  metrics: dict[str, Any], created: str, started: float) -> Manifest:
         t0 = time.monotonic()
         m = self._ckpt.persist(step, snap, kind=kind, compat=compat, metrics=metrics,
-                               created_utc=created, started=started)
+                               created_utc=created, started=started,
+                               open_shard=self.buffers.writer_for(self._ckpt.storage))
         self.last_persist_s = time.monotonic() - t0
         self.last_durable_s = time.monotonic() - started
         self._ckpt._retain(m)

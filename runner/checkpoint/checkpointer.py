@@ -17,7 +17,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,7 @@ from ckrun.errors import (
     RunComplete,
     StorageError,
 )
-from ckrun.storage.base import Storage
+from ckrun.storage.base import ObjectWriter, Storage
 
 if TYPE_CHECKING:
     from ckrun.checkpoint.async_save import AsyncSaver
@@ -358,8 +358,13 @@ class Checkpointer:
 
     def persist(self, step: int, snap: fmt.Snapshot, *, kind: str, compat: dict[str, Any],
                 metrics: Mapping[str, Any] | None, created_utc: str,
-                started: float) -> Manifest:
-        """Steps 2-4 of a save: write the shard, check its size, commit the manifest."""
+                started: float,
+                open_shard: Callable[[str], ObjectWriter] | None = None) -> Manifest:
+        """Steps 2-4 of a save: write the shard, check its size, commit the manifest.
+
+        ``open_shard`` opens the shard's writer (default ``storage.open_write``; async
+        saves pass a zero-copy writer over their host buffers, :mod:`.arena`).
+        """
         def make(shards: tuple[ShardInfo, ...], mkey: str) -> Manifest:
             return self._manifest(step, kind, shards, compat, metrics, created_utc, started,
                                   mkey)
@@ -374,7 +379,7 @@ class Checkpointer:
             return m
         area: layout.Area = "final" if kind == "final" else "checkpoints"
         key = layout.shard_key(step, self.rank, self.attempt, area)
-        w = self.storage.open_write(key)
+        w = (open_shard or self.storage.open_write)(key)
         try:
             size, checksum = fmt.write_shard(w, snap)
             w.commit()

@@ -1,9 +1,11 @@
 """Child process of the async kill tests (SIGKILLed by the test while it persists).
 
-Usage: python async_saver.py RUN_DIR stall|loop
+Usage: python async_saver.py RUN_DIR stall|loop|plain
     stall: async_save step 1 and wait for it (prints ``durable 1``), change the state,
         async_save step 2 (``returned 2``) through a disk that stops answering after
         40 MiB of the shard (``stalled``), then wait to be killed.
+    plain: as stall up to ``returned 2``, on the plain local storage (the zero-copy
+        O_DIRECT writer of the host buffers), then wait to be killed.
     loop: async_save steps 0, 1, 2, ... forever, printing ``durable N`` once the save of
         step N is known committed (the next save drained it).
 The state of step N is ``w = N`` (16 Mi float32 = 64 MiB) and ``extra.step = N``.
@@ -28,12 +30,13 @@ def main() -> None:
     run_dir, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     st = GatedStorage(run_dir)
-    ck = ckrun.Checkpointer(storage=st, rng=False, keep_last=2)
+    ck = ckrun.Checkpointer(storage=run_dir if mode == "plain" else st, rng=False,
+                            keep_last=2)
     w, extra = torch.zeros(N), {"step": -1}
     state = {"w": w, "extra": extra}
     m = ck.load(state)
     step = m.step + 1 if m else 0
-    if mode == "stall":
+    if mode in ("stall", "plain"):
         w.fill_(1.0)
         extra["step"] = 1
         ck.async_save(1, state).result()
@@ -43,6 +46,8 @@ def main() -> None:
         st.stall_after = 40 << 20
         ck.async_save(2, state)
         print("returned 2", flush=True)
+        if mode == "plain":
+            threading.Event().wait()
         st.stalled.wait()
         print("stalled", flush=True)
         threading.Event().wait()
