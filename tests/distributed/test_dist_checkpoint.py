@@ -34,7 +34,8 @@ def test_collective_save_commits_one_manifest_with_every_shard(tmp_path: Path) -
     assert os.path.exists(root / "COMPLETE.json")
 
 
-@pytest.mark.parametrize(("w_save", "w_load"), [(2, 1), (1, 2), (4, 2), (2, 2)])
+@pytest.mark.parametrize(("w_save", "w_load"),
+                         [(2, 1), (1, 2), (4, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_resume_on_another_world_size_loads_the_same_parameters(
         tmp_path: Path, w_save: int, w_load: int) -> None:
     root, out = tmp_path / "run", tmp_path / "loaded"
