@@ -8,7 +8,10 @@ or on any UTF-8 text file given with ``--data``.  It uses only ckrun's public AP
   supervisor; outside the supervisor ``--storage`` is used);
 * ``ckpt.load(state)`` to resume the whole run state (model, AdamW, LR schedule, every
   RNG, the sampler's position mid-epoch);
-* ``ckrun.preemption_requested()`` at every step boundary, then an emergency ``save`` and
+* ``ckpt.async_save`` for the periodic checkpoints: training resumes once the state is
+  copied to host memory, the write happens in the background;
+* ``ckrun.preemption_requested()`` at every step boundary, then an emergency ``save`` (it
+  first waits for a background save in flight) and
   exit 75 (``ckrun.ExitCode.PREEMPTED``), which the supervisor turns into a requeue;
 * ``ckpt.finalize`` for the final artifact and the completion marker.
 
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"preemption notice: checkpoint step {m.step} committed, exiting 75")
             return int(ckrun.ExitCode.PREEMPTED)
         if (step + 1) % args.ckpt_every == 0 and not last:
-            ckpt.save(step, state)
+            ckpt.async_save(step, state)  # blocks for the snapshot only; persists behind
 
     val_loss = evaluate(model, val, args.batch) if rank == 0 else math.nan
     ckpt.finalize(args.steps - 1, state)
