@@ -192,10 +192,14 @@ class IntervalEstimate:
             return (f"checkpoint interval (auto): {_dur(self.interval_s)} until a save cost "
                     f"is measured (MTBI {_dur(self.mtbi_s)}, {self.mtbi_source})")
         gp = f"{100 * self.goodput:.1f} %" if self.goodput is not None else "n/a"
+        if self.mtbi_source == "history":
+            src = (f"{self.interruptions} interruptions in {_dur(self.exposure_s)} of history"
+                   f" and a prior of one per {_dur(PRIOR_MTBI_S)}")
+        else:
+            src = {"given": "given", "prior": "prior, no history"}[self.mtbi_source]
         return (f"checkpoint interval (auto, Young/Daly): {_dur(self.interval_s)} from save "
-                f"cost {self.save_cost_s:.2f} s and MTBI {_dur(self.mtbi_s)} "
-                f"({self.mtbi_source}: {self.interruptions} interruptions in "
-                f"{_dur(self.exposure_s)}); expected goodput {gp}")
+                f"cost {self.save_cost_s:.2f} s and MTBI {_dur(self.mtbi_s)} ({src}); "
+                f"expected goodput {gp}")
 
 
 def _dur(s: float) -> str:
