@@ -419,7 +419,8 @@ def _launched_world(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"world_size {cfg.world_size} contradicts nproc_per_node "
                           f"{cfg.nproc_per_node} x nnodes {cfg.nnodes} = {launched}; drop "
                           "world_size (it is derived)")
-    return dataclasses.replace(cfg, world_size=launched)
+    return dataclasses.replace(cfg, world_size=launched, sources={
+        **cfg.sources, "world_size": "nproc_per_node x nnodes"})
 
 
 def _validate(cfg: RunConfig) -> None:

@@ -26,9 +26,11 @@ Three properties of torchrun shape how a notice reaches every rank (DESIGN.md §
   the commit in storage, not by the status.
 
 Multi-node (one supervisor per node, e.g. ``srun``): static rendezvous with
-``--node-rank`` (the scheduler's rank of this supervisor), ``MASTER_ADDR`` (required) and
-``MASTER_PORT`` (default 29500).  Only the supervisor of rank 0 requeues the job
-(``Scheduler.requeue`` returns at once on other ranks).
+``--node-rank`` (the scheduler's rank of this supervisor), ``MASTER_ADDR`` (else, under
+Slurm, the first host of ``SLURM_JOB_NODELIST``) and ``MASTER_PORT`` (else 29500, or
+``20000 + SLURM_JOB_ID % 20000`` under Slurm so that jobs sharing a node do not
+collide).  Only the supervisor of rank 0 requeues the job (``Scheduler.requeue``
+returns at once on other ranks).
 """
 
 from __future__ import annotations
@@ -69,6 +71,22 @@ def supports_shutdown_timeout() -> bool:
         return False
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``gpu[03-05,9],cpu1`` → ``gpu03``."""
+    text, depth, end = nodelist.strip(), 0, None
+    for i, c in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            end = i
+            break
+    head = text[:end]
+    if "[" not in head:
+        return head
+    prefix, rest = head.split("[", 1)
+    inner, suffix = rest.split("]", 1)
+    return prefix + inner.split(",")[0].split("-")[0] + suffix
+
+
 def rendezvous_args(nnodes: int, node_rank: int, env: Mapping[str, str]) -> list[str]:
     """``--standalone`` on one node; static rendezvous arguments on several.
 
@@ -77,13 +95,17 @@ def rendezvous_args(nnodes: int, node_rank: int, env: Mapping[str, str]) -> list
     """
     if nnodes <= 1:
         return ["--standalone"]
-    addr = env.get("MASTER_ADDR", "")
+    slurm_nodes = env.get("SLURM_JOB_NODELIST", "")
+    addr = env.get("MASTER_ADDR") or (first_host(slurm_nodes) if slurm_nodes else "")
+    default_port = DEFAULT_PORT
+    if env.get("SLURM_JOB_ID", "").isdigit():
+        default_port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
     if not addr:
         raise ConfigError(f"--nnodes {nnodes}: set MASTER_ADDR (and MASTER_PORT) to the first "
                           "node's address in the job script, e.g. MASTER_ADDR=$(scontrol show "
                           "hostnames $SLURM_JOB_NODELIST | head -n1)")
     try:
-        port = int(env.get("MASTER_PORT") or DEFAULT_PORT)
+        port = int(env.get("MASTER_PORT") or default_port)
     except ValueError as e:
         raise ConfigError(f"MASTER_PORT={env.get('MASTER_PORT')!r} is not a port") from e
     if not 0 <= node_rank < nnodes:

@@ -49,6 +49,14 @@ def test_several_nodes_use_a_static_rendezvous() -> None:
         torchrun.wrap((PY, "t.py"), nproc_per_node=1, nnodes=2, node_rank=2, env=env)
 
 
+def test_slurm_gives_the_rendezvous_address_and_port() -> None:
+    env = {"SLURM_JOB_NODELIST": "gpu[03-05,9],cpu1", "SLURM_JOB_ID": "123456"}
+    argv = torchrun.wrap((PY, "t.py"), nproc_per_node=8, nnodes=4, node_rank=3, env=env)
+    i = argv.index("--master-addr")
+    assert argv[i:i + 4] == ("--master-addr", "gpu03", "--master-port", str(20000 + 3456))
+    assert torchrun.first_host("a1,b2") == "a1" and torchrun.first_host("n[7]") == "n7"
+
+
 def test_world_size_is_derived_and_in_the_launch_hash() -> None:
     one = resolve("local", {}, {}, run="r", command=("python", "t.py"))
     two = resolve("local", {"nproc_per_node": 2}, {}, run="r", command=("python", "t.py"))
