@@ -8,9 +8,10 @@ Save (every rank calls :meth:`Checkpointer.save` at the same step, e.g. after
    (``shard-r<rank>-a<attempt>-<nonce>.ckpt``), CRC32C while streaming;
 2. the ranks report ``(key, size_bytes, checksum, error)`` to rank 0 (``gather_object``
    on a dedicated gloo group, so a CUDA/NCCL job's training collectives are untouched);
-3. rank 0 checks that every shard exists with the reported size (``head``), then writes
+3. rank 0 checks that every shard exists with the reported size (``head``), then creates
    the single ``manifest.json`` (world size, one shard per rank, the sharding policy in
-   the compat block): the checkpoint exists only now;
+   the compat block) only if absent (:func:`ckrun.checkpoint.commit.commit_manifest`):
+   the checkpoint exists only now;
 4. rank 0 broadcasts the outcome (the manifest, or the error) to every rank: this is the
    barrier after the commit, and a failure on any rank fails the save on every rank.
 
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from ckrun.checkpoint import format as fmt
 from ckrun.checkpoint import layout
+from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.checkpoint.state import restore
 from ckrun.checkpoint.verify import head_problems
@@ -257,8 +259,7 @@ def _commit(ck: Checkpointer, step: int, area: layout.Area, reports: list[_Repor
             problems = head_problems(ck.storage, probe)
         if problems:
             return "error", "; ".join(problems), mkey
-        m = make_manifest(shards, mkey)
-        ck.storage.put(mkey, m.dumps())
+        m = commit_manifest(ck.storage, make_manifest(shards, mkey))  # conditional create
         return "ok", m.dumps(), mkey
     except Exception as e:  # broadcast, then every rank raises
         return "error", f"rank 0 could not commit: {type(e).__name__}: {e}", mkey
