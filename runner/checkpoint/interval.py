@@ -374,3 +374,12 @@ def should_save(every: int | str | None, auto: AutoInterval | None, step: int, *
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             due = bool(flag.item())
     return due
+
+
+def status_line(state_root: str) -> str:
+    """The ``ckrun status`` line: the interval ``"auto"`` would pick for this run and the
+    goodput it expects (never raises: a bad ``CKRUN_MTBI_S`` is reported in the line)."""
+    try:
+        return from_history(state_root).describe()
+    except ConfigError as e:
+        return f"checkpoint interval (auto): {e}"
