@@ -7,7 +7,9 @@
   *catches* it (``SigCgt`` in ``/proc/PID/status``): the training process gets it even
   when it is a grandchild (``bash -c 'python train.py; ...'``) while a shell wrapper or a
   DataLoader worker with the default action (terminate) is spared.  Processes that do not
-  catch it still see ``notice.json`` (written first).
+  catch it still see ``notice.json`` (written first).  A child spawned with
+  ``track_tree`` (a torchrun launch) also counts its descendants in other sessions and
+  their sessions (:func:`members`): torchrun starts every worker with ``setsid``.
 * :func:`signal_session` sends TERM / KILL to the child's process group and any other
   process left in its session.
 * :func:`reap` collects every exited child with ``waitpid(-1, WNOHANG)``; the supervisor
