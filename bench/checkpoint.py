@@ -15,6 +15,9 @@ GB/s are 10^9 bytes per second; ratios are computed within the run.  Extra RSS d
 the ckrun save is sampled every 2 ms from /proc/self/statm.
 
 Usage: python bench/checkpoint.py [--size-gib 1] [--dir /tmp/ckrun-bench] [--json OUT]
+       python bench/checkpoint.py --sizes 0.25,1[,4] [--repeats 3] [--compute-s 3]
+           (issue 7: the side-by-side table with async saves, safetensors and DCP; see
+           bench/checkpoint_async.py)
 """
 
 from __future__ import annotations
@@ -260,12 +263,28 @@ def main() -> int:
     ap.add_argument("--size-gib", type=float, default=1.0, help="state size in GiB [1]")
     ap.add_argument("--dir", default="/tmp/ckrun-bench", help="scratch directory (removed)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
+    ap.add_argument("--sizes", default=None,
+                    help="issue 7's side-by-side table instead (bench/checkpoint_async.py): "
+                         "comma-separated GiB, e.g. 0.25,1 or 0.25,1,4")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure (median) [3]")
+    ap.add_argument("--compute-s", type=float, default=3.0,
+                    help="seconds of matmul per compute-loop figure [3]")
     a = ap.parse_args()
-    r = run(a.size_gib, a.dir)
-    print(table(r))
+    if a.sizes:
+        import checkpoint_async as ca
+
+        rows = []
+        for size in (float(x) for x in a.sizes.split(",")):
+            rows.append(ca.run(size, a.dir, a.repeats, a.compute_s))
+            print(f"# {size:g} GiB done", file=sys.stderr, flush=True)
+        print(ca.table(rows))
+        out: Any = rows
+    else:
+        out = run(a.size_gib, a.dir)
+        print(table(out))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 
