@@ -123,11 +123,17 @@ class RunConfig:
         return os.path.join(self.storage.removeprefix("file://"), self.run)
 
     def launch_identity(self) -> dict[str, Any]:
-        """What defines the experiment's launch: argv (argv[0] by basename) and world size."""
+        """What defines the experiment's launch: argv (argv[0] by basename).
+
+        The world size is deliberately not part of it: the checkpoint's own compat
+        block carries ``world_size`` and the child's gate lets it change exactly when
+        the checkpoint's format reshards (issue 8: a run preempted on 8 GPUs continues
+        on 4), and refuses it otherwise (exit 4).
+        """
         argv = list(self.command)
         if argv:
             argv[0] = os.path.basename(argv[0])
-        return {"command": argv, "world_size": self.world_size}
+        return {"command": argv}
 
     def launch_hash(self) -> str:
         """SHA-256 (first 16 hex digits) of :meth:`launch_identity` as canonical JSON.

@@ -76,7 +76,8 @@ def test_launch_hash_ignores_interpreter_path_but_not_args() -> None:
     b = dataclasses.replace(a, command=("/venv/bin/python3", "t.py", "--lr", "1"))
     c = dataclasses.replace(a, command=("/usr/bin/python3", "t.py", "--lr", "2"))
     assert a.launch_hash() == b.launch_hash() != c.launch_hash()
-    assert a.launch_hash() != dataclasses.replace(a, world_size=2).launch_hash()
+    # world size changes are judged by the checkpoint's compat gate (resharding), not here
+    assert a.launch_hash() == dataclasses.replace(a, world_size=2).launch_hash()
 
 
 def test_run_json_round_trip(tmp_path: object) -> None:

@@ -57,13 +57,15 @@ def test_slurm_gives_the_rendezvous_address_and_port() -> None:
     assert torchrun.first_host("a1,b2") == "a1" and torchrun.first_host("n[7]") == "n7"
 
 
-def test_world_size_is_derived_and_in_the_launch_hash() -> None:
+def test_world_size_is_derived_and_not_in_the_launch_hash() -> None:
     one = resolve("local", {}, {}, run="r", command=("python", "t.py"))
     two = resolve("local", {"nproc_per_node": 2}, {}, run="r", command=("python", "t.py"))
     four = resolve("local", {"nproc_per_node": 2, "nnodes": 2}, {}, run="r",
                    command=("python", "t.py"))
     assert (one.world_size, two.world_size, four.world_size) == (1, 2, 4)
-    assert len({one.launch_hash(), two.launch_hash(), four.launch_hash()}) == 3
+    # a run may move to another world size when its checkpoint reshards: the child's
+    # compat gate decides (tests/distributed/test_dist_checkpoint.py), not the launch hash
+    assert len({one.launch_hash(), two.launch_hash(), four.launch_hash()}) == 1
     with pytest.raises(ConfigError, match="contradicts"):
         resolve("local", {"nproc_per_node": 2, "world_size": 3}, {}, run="r")
     with pytest.raises(ConfigError, match=">= 1"):

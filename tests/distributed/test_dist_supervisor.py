@@ -131,3 +131,24 @@ def test_a_rank_hanging_in_the_save_is_killed_at_the_deadline(tmp_path: Path) ->
     assert not any(_alive(pid) for pid in ranks), out[-3000:]
     ms = manifests(tmp_path / "hang")
     assert [m["step"] for m in ms] == [4]  # the hung save (>= 5) committed nothing
+
+
+def test_preempted_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+    """Machine loss on 2 ranks (SIGTERM to the supervisor: exit 75, no local restart),
+    then the same run submitted on 1 process: the checkpoint reshards, so it resumes
+    without --allow-change and completes."""
+    prog = tmp_path / "progress"
+    p = _submit(tmp_path, "shrink", 2, ["--steps", "30", "--step-s", "0.15", "--progress",
+                                        str(prog)], "--grace", "60")
+    _wait_step(prog, 6, p)
+    os.kill(p.pid, signal.SIGTERM)
+    code, out = _finish(p)
+    assert code == 75, out[-3000:]
+    saved = [m for m in manifests(tmp_path / "shrink") if m["kind"] == "recovery"]
+    assert saved and saved[0]["world_size"] == 2
+    code, out = _finish(_submit(tmp_path, "shrink", 1, ["--steps", "30", "--step-s", "0.15",
+                                                        "--progress", str(prog)]))
+    assert code == 0, out[-3000:]
+    assert f"resuming from step {saved[0]['step']}" in out and "run completed" in out
+    final = next(m for m in manifests(tmp_path / "shrink") if m["kind"] == "final")
+    assert final["world_size"] == 1 and final["resumed_from"] is not None
