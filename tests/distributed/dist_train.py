@@ -86,11 +86,26 @@ def build(rank: int, world: int) -> tuple[torch.nn.Module, torch.nn.Module, Any,
     torch.manual_seed(0)
     net = torch.nn.Linear(8, 4)
     model = net
-    if world > 1:
+    if world == 2:
         model = torch.nn.parallel.DistributedDataParallel(net)
+    # With more than 2 ranks, DDP's reduction order is not stable across a restart: it
+    # rebuilds its gradient buckets after the first iteration of each process, so the
+    # first step after a resume sums the ranks' gradients in another order than the
+    # uninterrupted run did (1-ulp differences).  Bit-exact resume then needs a fixed
+    # reduction order: all_reduce_grads() below, parameter by parameter.
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     sampler = ResumableSampler(N_SAMPLES, seed=7, num_replicas=world, rank=rank)
     return net, model, opt, sampler
+
+
+def all_reduce_grads(net: torch.nn.Module, world: int) -> None:
+    """Average gradients over the ranks in a fixed order (what DDP does, minus buckets)."""
+    import torch.distributed as dist
+
+    for p in net.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
 
 
 def storage_for(args: argparse.Namespace, rank: int) -> Any:
@@ -155,6 +170,8 @@ def main() -> int:
         loss = torch.nn.functional.mse_loss(model(xb), y[idx])
         opt.zero_grad()
         loss.backward()
+        if world > 2:
+            all_reduce_grads(net, world)
         opt.step()
         step += 1
         state["extra"]["step"] = step
