@@ -22,11 +22,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import tempfile
 import threading
 from types import FrameType
 from typing import Any
 
+from ckrun.fsutil import write_json_atomic
 from ckrun.notices import Notice
 
 NOTICE_FILE = "notice.json"
@@ -55,32 +55,14 @@ def notice_signal() -> signal.Signals:
         return signal.SIGUSR1
 
 
-def _atomic_write_json(path: str, body: dict[str, Any]) -> None:
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(body, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def write_notice(cdir: str, notice: Notice) -> None:
     """Supervisor: publish ``notice`` atomically in ``cdir/notice.json``."""
-    _atomic_write_json(os.path.join(cdir, NOTICE_FILE), notice.to_json())
+    write_json_atomic(os.path.join(cdir, NOTICE_FILE), notice.to_json())
 
 
 def write_escalation(cdir: str) -> None:
     """Supervisor: mark that the grace period is over; the next SIGTERM is fatal."""
-    _atomic_write_json(os.path.join(cdir, ESCALATE_FILE), {"escalated": True})
+    write_json_atomic(os.path.join(cdir, ESCALATE_FILE), {"escalated": True})
 
 
 def clear(cdir: str) -> None:
@@ -108,7 +90,7 @@ def write_ack(fields: dict[str, Any], cdir: str | None = None) -> None:
     """Child: acknowledge the notice (e.g. ``{"step": 1200, "phase": "saving"}``)."""
     cdir = cdir or control_dir()
     if cdir:
-        _atomic_write_json(os.path.join(cdir, ACK_FILE), dict(fields, pid=os.getpid()))
+        write_json_atomic(os.path.join(cdir, ACK_FILE), dict(fields, pid=os.getpid()))
 
 
 def read_ack(cdir: str) -> dict[str, Any] | None:

@@ -21,13 +21,13 @@ from typing import Any
 
 from ckrun.config import RunConfig, build_notice_sources, is_local_storage, resolve
 from ckrun.errors import ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
+from ckrun.fsutil import write_json_atomic
 from ckrun.notices import iso_utc, utcnow
 from ckrun.rundir import (
     CANCEL_REQUEST,
     PREEMPT_REQUEST,
     RunDir,
     read_json,
-    write_json_atomic,
 )
 from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
 

@@ -21,43 +21,17 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 from types import TracebackType
 from typing import Any
 
 from ckrun.config import RunConfig
 from ckrun.errors import ConfigError, RunLocked
+from ckrun.fsutil import write_json_atomic
 from ckrun.notices import iso_utc, utcnow
 from filelock import FileLock, Timeout
 
 PREEMPT_REQUEST = "preempt-request.json"
 CANCEL_REQUEST = "cancel-request.json"
-
-
-def write_json_atomic(path: str, body: dict[str, Any], *, durable: bool = True) -> None:
-    """Write ``body`` to ``path`` via a temp file, (fsync) and ``os.replace``.
-
-    Args:
-        durable: fsync the file before the rename (skip for records that only matter
-            while this process lives, such as the lock holder).
-    """
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(body, f, indent=1, sort_keys=True, default=str)
-            f.write("\n")
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def read_json(path: str) -> dict[str, Any] | None:
