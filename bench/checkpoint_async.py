@@ -80,12 +80,12 @@ def _rm(path: str) -> None:
         os.unlink(path)
 
 
-def _fsync_tree(path: str) -> None:
-    for d, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Matmul:
@@ -163,7 +163,7 @@ def saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
 
     def sf() -> None:
         st.save_file(fl, f"{root}/s.safetensors")
-        _fsync_tree(root + "/s.safetensors")
+        _fsync(f"{root}/s.safetensors")
 
     r["safetensors save_file + fsync"] = med(sf, reps, lambda: _rm(f"{root}/s.safetensors"))
     r["DCP save"] = med(lambda: dcp.save(fl, checkpoint_id=f"{root}/dcp"), reps,

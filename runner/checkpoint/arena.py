@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from ckrun.checkpoint import format as fmt
-from ckrun.errors import CheckpointError, StorageError, map_os_error
+from ckrun.errors import CheckpointError, ConfigError, StorageError, map_os_error
 from ckrun.storage.base import ObjectInfo, ObjectWriter
 from ckrun.storage.local import DirectUnsupported, LocalStorage, LocalWriter
 
@@ -139,6 +140,22 @@ class HostBuffers:
         return open_shard
 
 
+def _max_rate() -> float:
+    """``CKRUN_PERSIST_MAX_MBPS`` in bytes/s (0: no cap), the optional persist rate cap.
+
+    Raises:
+        ConfigError: not a number >= 0.
+    """
+    raw = os.environ.get("CKRUN_PERSIST_MAX_MBPS", "").strip()
+    try:
+        v = float(raw) if raw else 0.0
+    except ValueError:
+        v = -1.0
+    if not v >= 0:
+        raise ConfigError(f"CKRUN_PERSIST_MAX_MBPS={raw!r}: expected MB/s >= 0 (0: no cap)")
+    return v * 1e6
+
+
 def _address(mv: memoryview) -> int | None:
     if mv.readonly or not mv.c_contiguous or not len(mv):
         return None
@@ -164,6 +181,8 @@ class ArenaWriter(LocalWriter):
         self._sent = 0  # data bytes handed to the I/O thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckrun-arena-io")
         self._futs: deque[Future[None]] = deque()
+        self._rate = _max_rate()
+        self._t0 = time.monotonic()
 
     def _pwrite(self, mv: memoryview, off: int) -> None:
         assert self._fd is not None
@@ -218,6 +237,8 @@ class ArenaWriter(LocalWriter):
             mv = memoryview((ctypes.c_char * span).from_address(self._base + self._sent))
             self._submit(mv.cast("B"), self._data_off + self._sent)
             self._sent += k
+            if self._rate:  # optional cap: sleep until the bytes sent fit the rate
+                time.sleep(max(0.0, self._sent / self._rate - (time.monotonic() - self._t0)))
 
     def commit(self) -> ObjectInfo:
         """Write the tail, wait for the I/O thread, truncate, then as LocalWriter."""

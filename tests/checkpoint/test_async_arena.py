@@ -7,9 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from ckrun.checkpoint import format as fmt
 from ckrun.checkpoint.arena import CHUNK, ArenaWriter, HostBuffers
+from ckrun.errors import ConfigError
 from ckrun.storage.local import LocalStorage
 
 
@@ -61,3 +63,20 @@ def test_stage_is_a_copy_and_writer_for_falls_back(tmp_path: Path) -> None:
         pass
 
     assert hb.writer_for(Sub(str(tmp_path))) is None  # a subclass keeps its open_write
+
+
+def test_rate_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import ckrun
+
+    state = {"w": torch.ones(10 << 20 >> 2)}  # 10 MiB
+    monkeypatch.setenv("CKRUN_PERSIST_MAX_MBPS", "50")
+    with ckrun.Checkpointer(storage=str(tmp_path / "run"), rng=False) as ck:
+        t = time.monotonic()
+        ck.async_save(1, state).result(60)
+        assert time.monotonic() - t >= 10.4e6 / 50e6 * 0.9  # the cap holds it back
+        monkeypatch.setenv("CKRUN_PERSIST_MAX_MBPS", "fast")
+        h = ck.async_save(2, state)
+        with pytest.raises(ConfigError, match="CKRUN_PERSIST_MAX_MBPS"):
+            h.result(60)
