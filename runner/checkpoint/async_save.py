@@ -27,10 +27,11 @@ at nice 10 (the persist takes ~1.0 s instead of 0.5 s meanwhile), ~71 % at nice 
 ~97 % at nice 19 (but the persist then takes ~4.7 s).
 
 Emergency saves: a synchronous ``save`` while a save is in flight reads the notice
-(``ckrun.control.read_notice``).  If its deadline leaves time for the in-flight persist and
-then a full save (estimated from the last measured durations, x :data:`SAFETY`), it waits
-and saves the current state; otherwise it only waits for the in-flight save and returns
-that manifest: the newest complete snapshot is committed instead of racing the deadline.
+(``ckrun.control.read_notice``) and waits for the in-flight save.  If the deadline then
+leaves time for a full save (estimated from the last measured durations, x
+:data:`SAFETY`), it saves the current state; otherwise it returns the in-flight save's
+manifest: the newest complete snapshot is committed instead of racing the deadline.  If
+the in-flight save failed, the error is logged and the current state is saved.
 """
 
 from __future__ import annotations
@@ -203,37 +204,41 @@ class AsyncSaver:
     def before_sync_save(self, step: int, kind: str) -> Manifest | None:
         """Called by ``save``/``finalize`` first: drain, or (deadline) commit the snapshot.
 
+        Under a notice, a failed in-flight save is logged and the synchronous save goes
+        ahead (the state must reach the disk); otherwise its error is raised here.
+
         Returns:
             A manifest to return instead of saving (the in-flight snapshot, committed
             because the notice deadline does not leave time for a new save), else None.
 
         Raises:
-            Exception: the in-flight save's error (raised once).
+            Exception: the in-flight save's error (raised once), without a notice.
         """
-        h = self._inflight
-        if h is None or h.done() or kind == "final":
-            self.drain()
-            return None
         from ckrun.control import read_notice
 
-        notice = read_notice()
+        h = self._inflight
+        notice = read_notice() if h is not None and kind != "final" else None
         if notice is None:
             self.drain()
             return None
-        left = notice.seconds_left()
+        assert h is not None
         rest, new = self.estimates(h)
-        if left >= SAFETY * (rest + new):
-            log.info("emergency save of step %d: waiting for the in-flight save of step %d "
-                     "(~%.1f s) and then saving (~%.1f s), %.1f s before the deadline",
-                     step, h.step, rest, new, left)
-            self.drain()
+        try:
+            m = self.drain()
+        except Exception as e:  # the emergency save below is the state's last chance
+            log.error("the background save of step %d failed (%s); the emergency save of "
+                      "step %d goes ahead", h.step, e, step)
             return None
-        m = self.drain()
-        if m is not None:
-            log.warning("emergency save of step %d: %.1f s to the deadline do not allow a new "
-                        "save after the in-flight one (~%.1f s + ~%.1f s); committed the "
-                        "in-flight snapshot of step %d instead (steps %d..%d are lost)",
-                        step, left, rest, new, m.step, m.step + 1, step)
+        left = notice.seconds_left()  # after the wait
+        if m is None or left >= SAFETY * new:
+            log.info("emergency save of step %d after the in-flight save of step %d "
+                     "(~%.1f s + ~%.1f s, %.1f s before the deadline)", step, h.step, rest,
+                     new, left)
+            return None
+        log.warning("emergency save of step %d: %.1f s to the deadline after the in-flight "
+                    "save do not allow a new one (~%.1f s); committed the in-flight snapshot "
+                    "of step %d instead (steps %d..%d are lost)", step, left, new, m.step,
+                    m.step + 1, step)
         return m
 
     def estimates(self, h: AsyncSaveHandle) -> tuple[float, float]:

@@ -202,3 +202,16 @@ def test_async_save_of_a_step_already_committed_returns_it(run_dir: Path) -> Non
         assert h.done() and h.result() is a
         with pytest.raises(ckrun.CheckpointError, match="step"):
             ck.async_save(-1, s)
+
+
+def test_emergency_save_goes_ahead_when_the_inflight_save_failed(
+        small_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cdir = tmp_path / "control"
+    monkeypatch.setenv("CKRUN_CONTROL_DIR", str(cdir))
+    run = small_fs / "run"
+    with ckrun.Checkpointer(storage=str(run), rng=False) as ck:
+        ck.async_save(1, {"w": torch.ones(1 << 20)})  # 4 MiB on 512 KiB: fails in the worker
+        write_notice(str(cdir), Notice.with_lead("preemption", "test", 600.0))
+        assert ck.save(2, {"w": torch.ones(1000)}).step == 2
+        assert ck.wait() is None
+    assert _steps(run) == [2]
