@@ -27,6 +27,20 @@ Inputs, in order of precedence:
 
 The interval is clamped to ``[min_interval_s, max_interval_s]`` and never below the last
 time to durable of an async save (at most one save is in flight).
+
+Usage (the decision is time-based; pass ``sync=True`` with several ranks)::
+
+    ckpt = ckrun.Checkpointer.from_env(compat, checkpoint_every="auto")
+    for step in range(start, steps):
+        train_step()
+        if ckrun.preemption_requested():
+            ckpt.save(step, state)
+            sys.exit(ckrun.ExitCode.PREEMPTED)
+        if ckpt.should_save(step):
+            ckpt.async_save(step, state)
+
+``ckpt.interval()`` returns the current :class:`IntervalEstimate`; :func:`status_line`
+is the line ``ckrun status`` prints.
 """
 
 from __future__ import annotations
