@@ -149,13 +149,10 @@ def _async_pair(start: Callable[[], Any], wait: Callable[[Any], Any]) -> tuple[f
     return pause, time.perf_counter() - t
 
 
-def saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> None:
-    """torch.save, safetensors, DCP save; then, interleaved in each repeat (the machine
-    is shared: paired figures are measured side by side), memcpy into reused buffers,
-    ckrun async_save, ckrun save, DCP async_save with a reused and with a fresh stager."""
+def reference_saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> None:
+    """torch.save + fsync, safetensors save_file + fsync, DCP save."""
     import safetensors.torch as st
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     fl = flat(state)
     r["torch.save + fsync"] = med(lambda: torch_save(f"{root}/t.pt", state), reps,
@@ -168,14 +165,28 @@ def saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
     r["safetensors save_file + fsync"] = med(sf, reps, lambda: _rm(f"{root}/s.safetensors"))
     r["DCP save"] = med(lambda: dcp.save(fl, checkpoint_id=f"{root}/dcp"), reps,
                         lambda: _rm(f"{root}/dcp"))
+
+
+def saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> None:
+    """First saves (RSS), then, interleaved in each repeat (the machine is shared: paired
+    figures are measured side by side), memcpy into the async save's reused buffers,
+    ckrun async_save, DCP async_save with a reused and with a fresh stager, ckrun save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    reference_saves(state, root, reps, r)
+    fl = flat(state)
     ck = ckrun.Checkpointer(storage=f"{root}/ck", rng=False, lock=False, keep_last=1)
     step = iter(range(1, 1 << 30))
     with RssPeak() as rss:
         ck.save(next(step), state)
     r["ckrun save: extra RSS bytes"] = rss.peak - rss.base
+
+    def ck_async() -> tuple[float, float]:
+        return _async_pair(lambda: ck.async_save(next(step), state), lambda h: h.result())
+
     with RssPeak() as rss:  # first async save: allocates the reusable host copy
-        pause, _ = _async_pair(lambda: ck.async_save(next(step), state), lambda h: h.result())
-    r["ckrun async_save: first pause (fresh buffers)"] = pause
+        r["ckrun async_save: first pause (fresh buffers)"] = ck_async()[0]
     r["ckrun async_save: extra RSS bytes"] = rss.peak - rss.base
     stager = DefaultStager(StagingOptions(False, False, False, False))
 
@@ -186,31 +197,26 @@ def saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
 
     dcp_async(stager)  # the reused stager allocates its copy on the first call
     assert ck._async is not None  # memcpy lower bound: into the async save's own buffers
-    snap = ck.snapshot(state)
-    pairs = [(a, b) for a, b in zip(snap.tensors, ck._async.buffers._views, strict=True)
+    pairs = [(a, b) for a, b in zip(ck.snapshot(state).tensors, ck._async.buffers._views,
+                                    strict=True)
              if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)]
     samples: dict[str, list[float]] = {}
-
-    def add(k: str, v: float) -> None:
-        samples.setdefault(k, []).append(v)
-
     for _ in range(reps):
         t = time.perf_counter()
         for src, dst in pairs:
             dst.copy_(src)
-        add("memcpy into reused buffers", time.perf_counter() - t)
-        for name, pair in (("ckrun async_save", lambda: _async_pair(
-                lambda: ck.async_save(next(step), state), lambda h: h.result())),
+        samples.setdefault("memcpy into reused buffers", []).append(time.perf_counter() - t)
+        for name, pair in (("ckrun async_save", ck_async),
                            ("DCP async_save (reused stager)", lambda: dcp_async(stager)),
-                           ("DCP async_save", lambda: dcp_async(None))):
+                           ("DCP async_save", lambda: dcp_async(None)),
+                           ("ckrun save", lambda: (0.0, med(lambda: ck.save(next(step), state),
+                                                           1)))):
             p, d = pair()
-            add(f"{name}: pause", p)
-            add(f"{name}: time to durable", d)
-        t = time.perf_counter()
-        ck.save(next(step), state)
-        add("ckrun save", time.perf_counter() - t)
+            samples.setdefault(f"{name}: pause", []).append(p)
+            samples.setdefault(f"{name}: time to durable", []).append(d)
     stager.close()
-    del pairs, snap
+    samples["ckrun save"] = samples.pop("ckrun save: time to durable")
+    del samples["ckrun save: pause"], pairs
     r.update({k: statistics.median(v) for k, v in samples.items()})
     r["samples"] = samples
     m = ck.latest()
@@ -250,19 +256,14 @@ def loads(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
                                          reps, drop)
 
 
-def compute(state: dict[str, Any], root: str, r: dict[str, Any], min_s: float,
-            reps: int) -> None:
-    """Matmul throughput during background persists, each window bracketed by windows of
-    the loop alone (its share: during / mean of the two neighbours; median of ``reps``)."""
+def _starts(state: dict[str, Any], root: str, ck: ckrun.Checkpointer,
+            stager: Any) -> dict[str, Callable[[], Callable[[], bool]]]:
+    """Per condition: start one background persist, return its done() predicate."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    mm = Matmul()
-    step = iter(range(1000, 1 << 30))
-    ck = ckrun.Checkpointer(storage=f"{root}/cc", rng=False, lock=False, keep_last=1)
-    ck.async_save(next(step), state).result()  # buffers allocated outside the windows
     assert ck._async is not None
-    pool = ck._async._pool
+    pool, step, n, fl = ck._async._pool, iter(range(1000, 1 << 30)), iter(range(1 << 30)), \
+        flat(state)
 
     def at_nice(nice: int) -> Callable[[], Callable[[], bool]]:
         def start() -> Callable[[], bool]:  # the worker's nice (root may lower it again)
@@ -270,10 +271,6 @@ def compute(state: dict[str, Any], root: str, r: dict[str, Any], min_s: float,
                                                nice)).result()
             return ck.async_save(next(step), state).done
         return start
-
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    fl = flat(state)
-    n = iter(range(1 << 30))
 
     def dcp_start() -> Callable[[], bool]:
         d = f"{root}/dcpc{next(n) % 2}"
@@ -285,13 +282,24 @@ def compute(state: dict[str, Any], root: str, r: dict[str, Any], min_s: float,
         t.start()
         return lambda: not t.is_alive()
 
-    starts: dict[str, Callable[[], Callable[[], bool]]] = {
-        "compute during ckrun async persist": at_nice(10),
-        "compute during ckrun async persist (worker at nice 0)": at_nice(0),
-        "compute during ckrun async persist (worker at nice 19)": at_nice(19),
-        "compute during DCP async_save persist": dcp_start,
-        "compute during a torch.save + fsync thread": naive_start,
-    }
+    return {"compute during ckrun async persist": at_nice(10),
+            "compute during ckrun async persist (worker at nice 0)": at_nice(0),
+            "compute during ckrun async persist (worker at nice 19)": at_nice(19),
+            "compute during DCP async_save persist": dcp_start,
+            "compute during a torch.save + fsync thread": naive_start}
+
+
+def compute(state: dict[str, Any], root: str, r: dict[str, Any], min_s: float,
+            reps: int) -> None:
+    """Matmul throughput during background persists, each window bracketed by windows of
+    the loop alone (its share: during / mean of the two neighbours; median of ``reps``)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    mm = Matmul()
+    ck = ckrun.Checkpointer(storage=f"{root}/cc", rng=False, lock=False, keep_last=1)
+    ck.async_save(999, state).result()  # buffers allocated outside the windows
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    starts = _starts(state, root, ck, stager)
     alone = [mm.rate(min_s)]
     shares: dict[str, list[float]] = {k: [] for k in starts}
     persist: dict[str, list[float]] = {k: [] for k in starts}
