@@ -40,11 +40,10 @@ import sys
 import time
 from typing import Any
 
+import ckrun
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-import ckrun
 
 
 def load_text(path: str | None) -> tuple[str, str]:
@@ -57,7 +56,7 @@ def load_text(path: str | None) -> tuple[str, str]:
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[k] for k in sorted(topics))
-        name = "pydoc-%d.%d" % sys.version_info[:2]
+        name = "pydoc-{}.{}".format(*sys.version_info[:2])
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
     return text, f"{name}-{digest}"
 
@@ -233,7 +232,7 @@ def iter_batches(ds: Chunks, sampler: Any, batch: int) -> Any:
         for i in sampler:
             idx.append(i)
             if len(idx) == batch:
-                xs, ys = zip(*(ds[j] for j in idx))
+                xs, ys = zip(*(ds[j] for j in idx), strict=False)
                 yield torch.stack(xs), torch.stack(ys)
                 idx = []
 
@@ -243,7 +242,7 @@ def evaluate(model: CharLM, ds: Chunks, batch: int) -> float:
     model.eval()
     total, n = 0.0, 0
     for s in range(0, len(ds), batch):
-        xs, ys = zip(*(ds[j] for j in range(s, min(len(ds), s + batch))))
+        xs, ys = zip(*(ds[j] for j in range(s, min(len(ds), s + batch))), strict=False)
         logits = model(torch.stack(xs))
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                  torch.stack(ys).reshape(-1), reduction="sum").item()

@@ -7,7 +7,9 @@ The public API (users' training scripts rely on these names)::
     ckpt = ckrun.Checkpointer.from_env(compat={...})      # under the supervisor
     manifest = ckpt.load(state)                            # None when nothing to resume
     ckpt.save(step, state); ckpt.finalize(step, state)
-    if ckrun.preemption_requested(): ...
+    handle = ckpt.async_save(step, state)   # returns after the host snapshot; ckpt.wait()
+    ckpt = ckrun.Checkpointer(..., checkpoint_every="auto"); ckpt.should_save(step)
+    if ckrun.preemption_requested(sync=True): ...   # sync: all ranks agree (MAX)
 
 Heavy dependencies (torch, boto3, kubernetes, submitit) are imported lazily, so
 ``import ckrun`` and the supervisor start without torch.

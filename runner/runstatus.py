@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from ckrun.checkpoint.interval import status_line
 from ckrun.events import read_events
 from ckrun.notices import parse_utc, utcnow
 from ckrun.rundir import RunDir, read_json
@@ -155,6 +156,7 @@ def summarize(rd: RunDir) -> dict[str, Any]:
                                              "lost_steps")}
                           for a in acc if a["interruption"]],
         "scheduler": scheduler_view(rd),
+        "interval": status_line(rd.root),
     }
 
 
@@ -171,6 +173,8 @@ def render(s: dict[str, Any]) -> str:
         f"  wall {s['wall_s']:.1f} s, useful {s['useful_s']:.1f} s, "
         f"saving {s['saving_s']:.2f} s, goodput {gp}",
     ]
+    if s.get("interval"):
+        lines.append("  " + s["interval"])
     job = s.get("scheduler")
     if job:
         extra = job.get("error") or ", ".join(
