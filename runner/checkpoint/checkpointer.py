@@ -379,13 +379,7 @@ class Checkpointer:
             return m
         area: layout.Area = "final" if kind == "final" else "checkpoints"
         key = layout.shard_key(step, self.rank, self.attempt, area)
-        w = (open_shard or self.storage.open_write)(key)
-        try:
-            size, checksum = fmt.write_shard(w, snap)
-            w.commit()
-        except BaseException:
-            w.abort()
-            raise
+        size, checksum = fmt.write_object((open_shard or self.storage.open_write)(key), snap)
         info = self.storage.head(key)
         if info is None or info.size_bytes != size:
             raise StorageError(f"{key}: committed shard reads back as {info}, expected "

@@ -192,13 +192,7 @@ class _Report:
 
 def _write_own(ck: Checkpointer, step: int, snap: fmt.Snapshot, area: layout.Area) -> _Report:
     key = layout.shard_key(step, ck.rank, ck.attempt, area)
-    w = ck.storage.open_write(key)
-    try:
-        size, checksum = fmt.write_shard(w, snap)
-        w.commit()
-    except BaseException:
-        w.abort()
-        raise
+    size, checksum = fmt.write_object(ck.storage.open_write(key), snap)
     return _Report(key, size, checksum, None)
 
 

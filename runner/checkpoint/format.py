@@ -242,6 +242,22 @@ def write_shard(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
     return pos, f"crc32c:{crc:08x}"
 
 
+
+def write_object(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
+    """:func:`write_shard` into ``w``, then commit it; on any error abort ``w`` (nothing
+    is left under the key) and re-raise.
+
+    Returns:
+        ``(size_bytes, checksum)`` as :func:`write_shard`.
+    """
+    try:
+        size, checksum = write_shard(w, snap)
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+    return size, checksum
+
 def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any:
     """Read and verify one shard: see :func:`ckrun.checkpoint.reader.read_shard`."""
     from ckrun.checkpoint.reader import read_shard as _read
