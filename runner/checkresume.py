@@ -21,7 +21,6 @@ changes nothing about the comparison.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -227,19 +226,10 @@ def _supervise(run: str, storage: str, command: Sequence[str], env: Mapping[str,
 
 
 def _preemptions(run_root: str) -> int:
-    n = 0
-    try:
-        with open(os.path.join(run_root, "events.jsonl")) as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("kind") == "preempted":
-                    n += 1
-    except OSError:
-        pass
-    return n
+    from ckrun.events import read_events
+
+    evs = read_events(os.path.join(run_root, "events.jsonl"))
+    return sum(1 for ev in evs if ev.get("kind") == "preempted")
 
 
 def check_resume(command: Sequence[str], *, interruptions: int = 3, seed: int | None = None,
