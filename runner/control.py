@@ -26,8 +26,8 @@ import threading
 from types import FrameType
 from typing import Any
 
-from ckrun.fsutil import write_json_atomic
 from ckrun.notices import Notice
+from ckrun.storage.fsutil import write_json_atomic
 
 NOTICE_FILE = "notice.json"
 ESCALATE_FILE = "escalate"

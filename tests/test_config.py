@@ -9,7 +9,7 @@ import pytest
 from ckrun import config
 from ckrun.config import RunConfig, parse_duration, parse_signal, resolve
 from ckrun.errors import ConfigError
-from ckrun.rundir import RunDir
+from ckrun.supervisor.rundir import RunDir
 
 
 def test_precedence_and_sources() -> None:

@@ -2,7 +2,7 @@
 
 ``async_save`` blocks only for the snapshot: the state (and RNG) is flattened and every
 tensor is copied into host buffers allocated on the first save and reused by the next
-ones (:class:`ckrun.checkpoint.arena.HostBuffers`: one arena in the shard's data layout;
+ones (:class:`ckrun.checkpoint.host_buffers.HostBuffers`: one arena in the shard's data layout;
 pinned memory when a tensor lives on a GPU, so the device-to-host copies are DMA — that
 path is written but untested here: no GPU).  Steps 2-5 of the commit protocol (persist
 with CRC32C, verify, manifest, retention) run on one worker thread; on a local disk the
@@ -50,9 +50,9 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckrun.checkpoint import format as fmt
-from ckrun.checkpoint.arena import HostBuffers
+from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.checkpointer import SaveHandle
+from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.manifest import Manifest, utc_now
 from ckrun.errors import CheckpointError
 

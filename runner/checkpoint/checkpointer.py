@@ -22,8 +22,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
-from ckrun.checkpoint import distributed, layout, retention
-from ckrun.checkpoint import format as fmt
+from ckrun.checkpoint import collective as distributed
+from ckrun.checkpoint import layout, retention
+from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.compat import compare, git_state, normalize, parse_allow_change
 from ckrun.checkpoint.discovery import completion, scan
@@ -111,7 +112,7 @@ class Checkpointer:
 
     Rank and world size come from ``torch.distributed`` (or ``RANK``/``WORLD_SIZE``);
     with more than one rank ``load``/``save``/``finalize`` are collectives (see
-    :mod:`ckrun.checkpoint.distributed`).
+    :mod:`ckrun.checkpoint.collective`).
 
     Raises:
         ConfigError: invalid ``keep_last``/``milestone_every`` or storage URL.

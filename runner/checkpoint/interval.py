@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckrun.errors import ConfigError
-from ckrun.events import read_events
 from ckrun.notices import parse_utc, utcnow
+from ckrun.runlog import read_events
 
 #: Prior mean time between interruptions, seconds (one per hour: a spot VM's worst case).
 PRIOR_MTBI_S = 3600.0

@@ -44,7 +44,7 @@ def _capture_value(v: Any) -> Any:
 def capture(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
     """The tree to persist: ``{"version", "user": {...}, "rng": {...} | None}``.
 
-    Tensors are referenced, not copied (see :func:`ckrun.checkpoint.format.snapshot`).
+    Tensors are referenced, not copied (see :func:`ckrun.checkpoint.shard.snapshot`).
     """
     if not isinstance(state, Mapping):
         raise CheckpointError(

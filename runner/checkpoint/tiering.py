@@ -7,7 +7,7 @@ local commit of a manifest that the :class:`UploadPolicy` selects queues an uplo
 
 1. copies the manifest's shards local → remote, hashing every byte read (CRC32C) and
    refusing a shard whose bytes no longer match the manifest; S3 checks the same CRC32C
-   on receipt (:mod:`ckrun.storage.s3_io`);
+   on receipt (:mod:`ckrun.storage.s3_transfer`);
 2. writes the remote manifest last, with ``If-None-Match: *`` (the remote commit);
 3. only then applies retention to the remote tier, never to the checkpoint just
    committed nor the one the run resumed from.
@@ -337,7 +337,7 @@ class TieredStorage:
     def _event(self, kind: str, step: int | None, seconds: float | None, **fields: Any) -> None:
         if not self._events_path:
             return
-        from ckrun.events import EventLog
+        from ckrun.runlog import EventLog
 
         try:
             EventLog(

@@ -93,7 +93,7 @@ class LocalScheduler:
         Raises:
             SchedulerError: the supervisor could not be started.
         """
-        from ckrun.process import spawn
+        from ckrun.supervisor.process import spawn
 
         log = spec.env.get("CKRUN_SUPERVISOR_LOG") or os.path.join(spec.storage,
                                                                     "supervisor.log")

@@ -33,8 +33,7 @@ from typing import Any
 from ckrun.errors import ConfigError, RequeueError, SchedulerError
 from ckrun.notices import NoticeSource
 from ckrun.scheduler.base import JobInfo, JobSpec, JobState, RequeueOutcome
-from ckrun.scheduler.slurm_options import Options, options_from_mapping
-from ckrun.scheduler.slurm_watch import (
+from ckrun.scheduler.slurm_jobs import (
     TimeLimitWatcher,
     map_state,
     parse_job_record,
@@ -43,6 +42,7 @@ from ckrun.scheduler.slurm_watch import (
     storage_base,
     validate_job_id,
 )
+from ckrun.scheduler.slurm_options import Options, options_from_mapping
 
 log = logging.getLogger(__name__)
 

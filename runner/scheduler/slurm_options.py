@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckrun.errors import ConfigError
-from ckrun.scheduler.slurm_watch import parse_time_limit_s
+from ckrun.scheduler.slurm_jobs import parse_time_limit_s
 
 #: signals Slurm's ``--signal`` accepts that make sense as a notice.
 SIGNALS = ("HUP", "INT", "QUIT", "TERM", "URG", "USR1", "USR2", "XCPU")

@@ -9,7 +9,7 @@ a power cut).  Temp files are invisible to :meth:`LocalStorage.list`; ones left 
 killed process are removed by :meth:`LocalStorage.sweep_temp`.
 
 Streaming writes (:meth:`LocalStorage.open_write`, used for checkpoint shards) go
-through ``O_DIRECT`` staging buffers by default (:mod:`ckrun.storage.local_direct`), at
+through ``O_DIRECT`` staging buffers by default (:mod:`ckrun.storage.direct`), at
 the disk's limit without filling the page cache.  Where ``O_DIRECT`` is refused (tmpfs)
 or with ``direct=False`` they go through the page cache and start write-back early with
 ``sync_file_range(2)`` every :data:`WRITE_BEHIND_BYTES`, waiting for the window before
@@ -188,7 +188,7 @@ class LocalStorage:
         write_behind: start write-back every :data:`WRITE_BEHIND_BYTES` during streaming
             writes (``sync_file_range``); False leaves it all to the final fsync.
         direct: streaming writes use ``O_DIRECT`` through aligned staging buffers
-            (:mod:`ckrun.storage.local_direct`); falls back where unsupported.
+            (:mod:`ckrun.storage.direct`); falls back where unsupported.
 
     Raises:
         StorageError: the root cannot be created (``StoragePermissionError`` when
@@ -230,7 +230,7 @@ class LocalStorage:
     def open_write(self, key: str) -> LocalWriter:
         """Start a streaming, atomic write to ``key`` (see :class:`LocalWriter`)."""
         if self.direct:
-            from ckrun.storage.local_direct import DirectWriter
+            from ckrun.storage.direct import DirectWriter
 
             try:
                 return DirectWriter(self, key)

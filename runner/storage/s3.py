@@ -8,7 +8,7 @@ or pod role); ckrun never reads, stores or logs them.
 Contract (DESIGN.md §3) on S3:
 
 * a reader sees nothing or the whole object: one ``PutObject`` or a multipart upload that
-  is completed or aborted (:class:`ckrun.storage.s3_io.S3Writer`); an upload cut off by
+  is completed or aborted (:class:`ckrun.storage.s3_transfer.S3Writer`); an upload cut off by
   SIGKILL leaves only an incomplete multipart upload, which no listing shows
   (:meth:`S3Storage.abort_incomplete_uploads` or a bucket lifecycle rule removes it);
 * ``put``/``commit`` return once S3 answered 200 (S3 is strongly read-after-write
@@ -37,7 +37,7 @@ from ckrun.errors import (
 )
 from ckrun.storage.base import ObjectInfo, validate_key
 from ckrun.storage.progress import Progress
-from ckrun.storage.s3_io import (
+from ckrun.storage.s3_transfer import (
     CRC_META,
     CheckedReader,
     RateLimiter,

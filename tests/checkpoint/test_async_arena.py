@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckrun.checkpoint import format as fmt
-from ckrun.checkpoint.arena import CHUNK, ArenaWriter, HostBuffers
+from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint.host_buffers import CHUNK, ArenaWriter, HostBuffers
 from ckrun.errors import ConfigError
 from ckrun.storage.local import LocalStorage
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import ckrun
 import torch
 from ckrun.checkpoint import layout
-from ckrun.cli_checkpoint import ls, verify
+from ckrun.cli.checkpoints import ls, verify
 from click.testing import CliRunner
 
 
@@ -76,7 +76,7 @@ def test_ls_and_verify_do_not_import_torch(run_dir: Path) -> None:
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "from ckrun.cli_checkpoint import ls, verify\n"
+        "from ckrun.cli.checkpoints import ls, verify\n"
         f"assert CliRunner().invoke(ls, [{str(run_dir)!r}]).exit_code == 0\n"
         f"assert CliRunner().invoke(verify, [{str(run_dir)!r}]).exit_code == 0\n"
         "assert 'torch' not in sys.modules\n"

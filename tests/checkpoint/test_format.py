@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ckrun.checkpoint import format as fmt
-from ckrun.checkpoint import reader
+from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint import shard_reader as reader
 from ckrun.checkpoint.manifest import UnsupportedFormat
 from ckrun.errors import CheckpointError, CorruptCheckpoint
 from ckrun.storage.local import LocalStorage

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ckrun.checkresume import compare_trees, drill_counts
+from ckrun.cli.resume_check import compare_trees, drill_counts
 
 TINY = str(Path(__file__).with_name("tiny_train.py"))
 

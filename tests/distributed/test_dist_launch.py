@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
-from ckrun import process, torchrun
-from ckrun.checkpoint.distributed import allowed_changes, rederive_sampler, reshards
+from ckrun.checkpoint.collective import allowed_changes, rederive_sampler, reshards
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.config import resolve
 from ckrun.errors import ConfigError
+from ckrun.supervisor import process, torchrun
 
 PY = sys.executable
 

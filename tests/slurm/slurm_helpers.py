@@ -69,7 +69,7 @@ def wait_for(
 
 def job_record(job_id: str) -> dict[str, str]:
     """``scontrol show job -o`` as a dict (empty once Slurm forgot the job)."""
-    from ckrun.scheduler.slurm_watch import parse_job_record
+    from ckrun.scheduler.slurm_jobs import parse_job_record
 
     proc = subprocess.run(
         ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30

@@ -20,7 +20,7 @@ from ckrun.errors import ConfigError, ExitCode, RequeueError
 from ckrun.notices import TIME_LIMIT
 from ckrun.scheduler.base import JobInfo, JobState, RequeueOutcome, Scheduler
 from ckrun.scheduler.slurm import Options, SlurmScheduler
-from ckrun.scheduler.slurm_watch import (
+from ckrun.scheduler.slurm_jobs import (
     TimeLimitWatcher,
     map_state,
     parse_job_record,
@@ -177,7 +177,7 @@ def test_parse_time_limit(text: str, secs: int) -> None:
 
 def test_parse_slurm_time_uses_local_zone() -> None:
     code = (
-        "from ckrun.scheduler.slurm_watch import parse_slurm_time as p;"
+        "from ckrun.scheduler.slurm_jobs import parse_slurm_time as p;"
         "print(p('2026-01-15T10:00:00').isoformat(), p('Unknown'), p('N/A'))"
     )
     env = dict(os.environ, TZ="Europe/Berlin")

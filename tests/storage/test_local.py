@@ -86,7 +86,7 @@ def test_enospc_at_nth_write_fault_injection(tmp_path: Path,
 
 
 def test_direct_writer_sizes_and_fallback(tmp_path: Path, small_fs: Path) -> None:
-    from ckrun.storage.local_direct import DirectWriter
+    from ckrun.storage.direct import DirectWriter
 
     st = LocalStorage(str(tmp_path / "run"))
     for n in (0, 1, 4095, 4096, 4097, (16 << 20) + 3):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from ckrun import process
+from ckrun.supervisor import process
 
 ENV = dict(os.environ)
 
@@ -102,7 +102,7 @@ def test_deliver_spares_processes_without_a_handler() -> None:
 
 SUBREAPER = textwrap.dedent("""
     import json, os, sys, time
-    from ckrun import process
+    from ckrun.supervisor import process
     ok = process.become_subreaper()
     c = process.spawn(["sh", "-c", "sleep 0.3 & sleep 0.3 & exit 0"], os.environ)
     reaped = {}

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckrun import runstatus
+from ckrun.cli import status as runstatus
 from ckrun.config import resolve
-from ckrun.rundir import RunDir
+from ckrun.supervisor.rundir import RunDir
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

@@ -7,8 +7,8 @@ import signal
 from typing import Any
 
 import pytest
-from ckrun import statemachine as sm
-from ckrun.statemachine import Phase
+from ckrun.supervisor import machine as sm
+from ckrun.supervisor.machine import Phase
 
 P = sm.Policy(max_requeues=2, max_failures=3, crash_loop_failures=2, grace_s=30.0,
               margin_s=2.0, kill_delay_s=5.0, backoff_s=1.0, backoff_max_s=3.0)

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-from ckrun import runstatus
-from ckrun.rundir import RunDir
+from ckrun.cli import status as runstatus
+from ckrun.supervisor.rundir import RunDir
 
 
 def _rundir(tmp_path: Path, job: dict[str, str] | None) -> RunDir:

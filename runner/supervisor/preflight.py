@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckrun.config import RunConfig
-from ckrun.rundir import RunDir
-from ckrun.statemachine import Preflighted
 from ckrun.storage.base import Storage
+from ckrun.supervisor.machine import Preflighted
+from ckrun.supervisor.rundir import RunDir
 
 _ABSENT_HASH = "launch_hash: <absent>"
 

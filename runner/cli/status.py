@@ -23,14 +23,14 @@ import datetime as dt
 from typing import Any
 
 from ckrun.checkpoint.interval import status_line
-from ckrun.events import read_events
 from ckrun.notices import parse_utc, utcnow
-from ckrun.rundir import RunDir, read_json
+from ckrun.runlog import read_events
+from ckrun.supervisor.rundir import RunDir, read_json
 
 
 def locate(name: str, storage: str | None) -> RunDir:
-    """The state directory of run ``name`` (see :func:`ckrun.launch.locate`)."""
-    from ckrun.launch import locate as _locate
+    """The state directory of run ``name`` (see :func:`ckrun.cli.commands.locate`)."""
+    from ckrun.cli.commands import locate as _locate
 
     return _locate(name, storage)
 
@@ -83,7 +83,7 @@ def _account(rec: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
 
 
 def _newest(rd: RunDir, default: int | None) -> int | None:
-    from ckrun.resume import newest_step, open_run_storage
+    from ckrun.supervisor.preflight import newest_step, open_run_storage
 
     cfg = rd.load_config()
     if cfg is None:
@@ -93,7 +93,7 @@ def _newest(rd: RunDir, default: int | None) -> int | None:
 
 
 def _complete(rd: RunDir) -> bool:
-    from ckrun.resume import is_complete, open_run_storage
+    from ckrun.supervisor.preflight import is_complete, open_run_storage
 
     cfg = rd.load_config()
     return cfg is not None and is_complete(open_run_storage(cfg))

@@ -3,7 +3,7 @@
 Layout::
 
     <state root>/run.json            frozen RunConfig (written by submit / first run)
-    <state root>/events.jsonl        the event log (ckrun.events)
+    <state root>/events.jsonl        the event log (ckrun.runlog)
     <state root>/supervisor.log      output of a detached supervisor
     <state root>/job.json            backend + job id of a submitted job
     <state root>/cancelled.json      `ckrun cancel` happened: starts refuse to run
@@ -26,8 +26,8 @@ from typing import Any
 
 from ckrun.config import RunConfig
 from ckrun.errors import ConfigError, RunLocked
-from ckrun.fsutil import write_json_atomic
 from ckrun.notices import iso_utc, utcnow
+from ckrun.storage.fsutil import write_json_atomic
 from filelock import FileLock, Timeout
 
 PREEMPT_REQUEST = "preempt-request.json"

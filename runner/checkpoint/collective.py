@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from ckrun.checkpoint import format as fmt
 from ckrun.checkpoint import layout
+from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.checkpoint.state import restore

@@ -21,15 +21,15 @@ from typing import Any
 
 from ckrun.config import RunConfig, build_notice_sources, is_local_storage, resolve
 from ckrun.errors import ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
-from ckrun.fsutil import write_json_atomic
 from ckrun.notices import iso_utc, utcnow
-from ckrun.rundir import (
+from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
+from ckrun.storage.fsutil import write_json_atomic
+from ckrun.supervisor.rundir import (
     CANCEL_REQUEST,
     PREEMPT_REQUEST,
     RunDir,
     read_json,
 )
-from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
 
 
 def say(msg: str) -> None:
@@ -128,7 +128,7 @@ def supervise(cfg: RunConfig, run_name: str, backend: str | None = None, *,
     Raises:
         RunLocked: another live supervisor of this rank holds the run.
     """
-    from ckrun.supervisor import Supervisor
+    from ckrun.supervisor.loop import Supervisor
 
     sched = scheduler_for(backend or detect_backend(), cfg)
     job = sched.current()
@@ -204,7 +204,7 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
     job_id = sched.submit(spec)
     write_json_atomic(rundir.job_json, {"backend": cfg.scheduler, "job_id": job_id,
                                         "submitted_utc": iso_utc(utcnow())})
-    from ckrun.events import EventLog
+    from ckrun.runlog import EventLog
 
     EventLog(rundir.events_path, name).append("submitted", backend=cfg.scheduler,
                                               job_id=job_id)

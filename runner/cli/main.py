@@ -7,7 +7,7 @@ Forms (issue 3, the contract)::
     ckrun run --run NAME [--storage DIR] [--allow-change F] -- CMD...
     ckrun status NAME [--storage DIR] [--json]
     ckrun cancel NAME | ckrun preempt NAME | ckrun config [--profile P]
-    ckrun ls ... | ckrun verify ...          # from ckrun.cli_checkpoint when installed
+    ckrun ls ... | ckrun verify ...          # from ckrun.cli.checkpoints when installed
 
 Every :class:`~ckrun.errors.CkrunError` is printed as ``ckrun: error: ...`` and mapped
 to its exit code (DESIGN.md §3).  Heavy imports stay lazy: ``ckrun --help`` and
@@ -63,9 +63,9 @@ def _cli_values(**kw: Any) -> dict[str, Any]:
 #: module that is not installed yet simply leaves its command out.
 #: ``check-resume`` goes here too.
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "ls": ("ckrun.cli_checkpoint", "ls"),
-    "verify": ("ckrun.cli_checkpoint", "verify"),
-    "check-resume": ("ckrun.cli_check_resume", "check_resume"),
+    "ls": ("ckrun.cli.checkpoints", "ls"),
+    "verify": ("ckrun.cli.checkpoints", "verify"),
+    "check-resume": ("ckrun.cli.check_resume", "check_resume"),
 }
 
 
@@ -156,7 +156,7 @@ def submit(profile: str, run_name: str | None, storage: str | None, detach: bool
 
     ckrun's options may come before or after the script; the script's own arguments go
     after `--` (e.g. `ckrun submit train.py --run r1 -- --steps 600`)."""
-    from ckrun import launch
+    from ckrun.cli import commands as launch
 
     cli = _settings(settings)
     cli.update(_cli_values(storage=storage, max_requeues=max_requeues,
@@ -178,7 +178,7 @@ def submit(profile: str, run_name: str | None, storage: str | None, detach: bool
 def run(run_name: str, storage: str | None, allow_change: tuple[str, ...],
         profile: str | None, scheduler: str | None, args: tuple[str, ...]) -> int:
     """Supervise a run in this process (what Slurm, Kubernetes and boot scripts call)."""
-    from ckrun import launch
+    from ckrun.cli import commands as launch
 
     cmd = _command(args) if args else ()
     cli = _cli_values(storage=storage, allow_change=allow_change)
@@ -193,7 +193,7 @@ def status(name: str, storage: str | None, as_json: bool) -> int:
     """State, attempts, preemptions, lost work, save time and goodput of run NAME."""
     import json
 
-    from ckrun import runstatus
+    from ckrun.cli import status as runstatus
 
     summary = runstatus.summarize(runstatus.locate(name, storage))
     click.echo(json.dumps(summary, indent=1) if as_json else runstatus.render(summary))
@@ -205,7 +205,7 @@ def status(name: str, storage: str | None, as_json: bool) -> int:
 @_storage_opt
 def cancel(name: str, storage: str | None) -> int:
     """Stop run NAME for good (the child checkpoints first); later starts refuse to run."""
-    from ckrun import launch
+    from ckrun.cli import commands as launch
 
     click.echo(launch.cancel(name, storage))
     return 0
@@ -217,7 +217,7 @@ def cancel(name: str, storage: str | None) -> int:
 @click.option("--lead", default=None, metavar="S", help="Notice lead time [grace].")
 def preempt(name: str, storage: str | None, lead: str | None) -> int:
     """Deliver a drill notice to run NAME's live supervisor (test the resume path)."""
-    from ckrun import launch
+    from ckrun.cli import commands as launch
     from ckrun.config import parse_duration
 
     click.echo(launch.preempt(name, storage, parse_duration(lead) if lead else None))

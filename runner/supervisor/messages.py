@@ -1,8 +1,8 @@
-"""Events and actions of the supervisor's state machine (:mod:`ckrun.statemachine`).
+"""Events and actions of the supervisor's state machine (:mod:`ckrun.supervisor.machine`).
 
 Events carry what happened (with ``now``, ``time.monotonic()`` seconds); actions say
-what the loop in :mod:`ckrun.supervisor` must do.  All are frozen dataclasses, so a
-scripted history of :func:`ckrun.statemachine.step` calls is a plain table.
+what the loop in :mod:`ckrun.supervisor.loop` must do.  All are frozen dataclasses, so a
+scripted history of :func:`ckrun.supervisor.machine.step` calls is a plain table.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reading a ckrun shard (layout in :mod:`ckrun.checkpoint.format`): verified, no code run.
+"""Reading a ckrun shard (layout in :mod:`ckrun.checkpoint.shard`): verified, no code run.
 
 The header is checked (magic, length, its own CRC32C, schema, dtype allowlist, offsets
 and sizes consistent with the manifest) before anything is allocated; tensors are read
@@ -21,7 +21,8 @@ from typing import IO, Any, cast
 import crc32c
 import torch
 from ckrun.checkpoint.crc import combine as crc_combine
-from ckrun.checkpoint.format import (
+from ckrun.checkpoint.manifest import UnsupportedFormat
+from ckrun.checkpoint.shard import (
     _DTYPES,
     DATA_ALIGN,
     FORMAT,
@@ -34,7 +35,6 @@ from ckrun.checkpoint.format import (
     _align,
     _bytes_view,
 )
-from ckrun.checkpoint.manifest import UnsupportedFormat
 from ckrun.errors import CheckpointError, CorruptCheckpoint
 
 READ_CHUNK = 8 << 20

@@ -1,7 +1,7 @@
-"""The supervisor loop: executes :mod:`ckrun.statemachine`'s actions on real processes.
+"""The supervisor loop: executes :mod:`ckrun.supervisor.machine`'s actions on real processes.
 
 The pure ``step(state, event) -> (state, actions)`` (DESIGN.md §4.5) lives in
-:mod:`ckrun.statemachine` (events and actions in :mod:`ckrun.smtypes`) and is
+:mod:`ckrun.supervisor.machine` (events and actions in :mod:`ckrun.supervisor.messages`) and is
 re-exported here.
 
 One thread, ticking every ``tick_s`` (0.2 s) or sooner when a signal arrives (the
@@ -36,11 +36,9 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from ckrun import control, process
-from ckrun import statemachine as sm
+from ckrun import control
 from ckrun.config import RunConfig, is_local_storage, storage_env
 from ckrun.errors import CkrunError
-from ckrun.events import EventLog
 from ckrun.notices import (
     DRILL,
     PREEMPTION,
@@ -50,10 +48,13 @@ from ckrun.notices import (
     NoticeSource,
     utcnow,
 )
-from ckrun.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
+from ckrun.runlog import EventLog
 from ckrun.scheduler.base import JobInfo, RequeueOutcome, Scheduler
-from ckrun.statemachine import Phase, Policy, State, step
 from ckrun.storage.base import Storage
+from ckrun.supervisor import machine as sm
+from ckrun.supervisor import process
+from ckrun.supervisor.machine import Phase, Policy, State, step
+from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
 
@@ -104,7 +105,7 @@ class Supervisor:
     def storage(self) -> Storage:
         """The run root's storage (opened on first use)."""
         if self._storage is None:
-            from ckrun.resume import open_run_storage
+            from ckrun.supervisor.preflight import open_run_storage
 
             self._storage = open_run_storage(self.cfg)
         return self._storage
@@ -235,7 +236,7 @@ class Supervisor:
             c.status, c.exited = reaped[c.pid], now
         if c.status is None:
             if c.sids is not None:  # torchrun: learn the workers' sessions while it lives
-                from ckrun.torchrun import track
+                from ckrun.supervisor.torchrun import track
 
                 track(c.pid, c.sids, now)
             return
@@ -244,7 +245,7 @@ class Supervisor:
             return
         self.child = None
         self._strays_term_at = self._strays_kill_at = None
-        from ckrun.resume import attempt_commits, is_complete, newest
+        from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
 
         step, save_s = newest(self.storage)
         self.events.append("attempt_end", status=c.status, seconds=now - c.started,
@@ -308,7 +309,7 @@ class Supervisor:
         self.events.append(a.kind, step=step, seconds=seconds, message=msg, **fields)
 
     def _preflight(self) -> sm.Event:
-        from ckrun.resume import preflight
+        from ckrun.supervisor.preflight import preflight
 
         rep = preflight(self.cfg, self.rundir, self.storage)
         for w in rep.warnings:
@@ -353,8 +354,8 @@ class Supervisor:
 
     def _command(self) -> tuple[str, ...]:
         """The command to spawn: under torchrun with ``nproc_per_node``/``nnodes`` > 1
-        (:func:`ckrun.torchrun.wrap`)."""
-        from ckrun import torchrun
+        (:func:`ckrun.supervisor.torchrun.wrap`)."""
+        from ckrun.supervisor import torchrun
 
         cfg = self.cfg
         return torchrun.wrap(cfg.command, nproc_per_node=cfg.nproc_per_node, nnodes=cfg.nnodes,
@@ -373,8 +374,8 @@ class Supervisor:
 
     def _prior_attempts(self) -> int:
         """Attempts already made in this run (events and manifests), so ids never repeat."""
-        from ckrun.events import read_events
-        from ckrun.resume import newest_attempt
+        from ckrun.runlog import read_events
+        from ckrun.supervisor.preflight import newest_attempt
 
         seen = [int(e.get("attempt", 0)) + 1 for e in read_events(self.rundir.events_path)
                 if e.get("kind") == "spawn"]

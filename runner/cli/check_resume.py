@@ -1,4 +1,4 @@
-"""``ckrun check-resume``: the command-line face of :mod:`ckrun.checkresume`."""
+"""``ckrun check-resume``: the command-line face of :mod:`ckrun.cli.resume_check`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def check_resume(interruptions: int, seed: int | None, workdir: str | None, time
     Prints PASS, or the first diverging entry (e.g. `user.optimizer.state.3.exp_avg
     differs: max abs diff 2e-07`) with the usual cause; exits 0 on PASS, 1 otherwise.
     """
-    from ckrun.checkresume import check_resume as run_check
+    from ckrun.cli.resume_check import check_resume as run_check
 
     cmd = list(command[1:] if command[:1] == ("--",) else command)
     if not cmd:

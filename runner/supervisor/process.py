@@ -158,11 +158,11 @@ def session_pids(sid: int) -> list[int]:
 
 def members(child: Child) -> list[int]:
     """Live processes of ``child``'s launch: its session; with ``child.sids`` tracked also
-    its descendants and their sessions (:func:`ckrun.torchrun.family`, which updates
+    its descendants and their sessions (:func:`ckrun.supervisor.torchrun.family`, which updates
     ``child.sids``)."""
     if child.sids is None:
         return session_pids(child.pid)
-    from ckrun.torchrun import family
+    from ckrun.supervisor.torchrun import family
 
     return family(child.pid, child.sids)
 

@@ -16,7 +16,7 @@ Layout (all integers little-endian)::
 keys, bytes, non-finite floats, ``torch.dtype``/``Size``/``device``, numpy scalars,
 ``OrderedDict._metadata``) are tagged the same way.  Anything else is refused at save time.
 
-Loading (:mod:`ckrun.checkpoint.reader`) never executes code: the header is JSON,
+Loading (:mod:`ckrun.checkpoint.shard_reader`) never executes code: the header is JSON,
 tensor bytes are read into freshly allocated tensors, and the CRC32C of the whole file
 is compared before the caller sees any of it (the header carries its own CRC so a
 damaged header is reported before it is parsed).  Writing is zero-copy for CPU
@@ -259,7 +259,7 @@ def write_object(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
     return size, checksum
 
 def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any:
-    """Read and verify one shard: see :func:`ckrun.checkpoint.reader.read_shard`."""
-    from ckrun.checkpoint.reader import read_shard as _read
+    """Read and verify one shard: see :func:`ckrun.checkpoint.shard_reader.read_shard`."""
+    from ckrun.checkpoint.shard_reader import read_shard as _read
 
     return _read(f, size_bytes=size_bytes, checksum=checksum, key=key)

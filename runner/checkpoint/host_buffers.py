@@ -2,14 +2,14 @@
 
 :class:`HostBuffers` copies a snapshot's tensors (and numpy arrays) into one arena that
 is allocated once and reused while the state's layout fits.  Each tensor sits at the
-offset it has in the shard's data region (:func:`ckrun.checkpoint.format._table`: 64-byte
+offset it has in the shard's data region (:func:`ckrun.checkpoint.shard._table`: 64-byte
 aligned, in order), so the arena *is* the data region of the file.  The arena is
 page-aligned anonymous memory (``mmap``), or pinned memory (``cudaHostAlloc``, also page
 aligned) when a tensor lives on a GPU.
 
 :class:`ArenaWriter` is the shard writer of a local ``O_DIRECT`` storage for such a
 snapshot: the header block goes through a small aligned buffer, and every tensor that
-:func:`ckrun.checkpoint.format.write_shard` hands it is recognised by address as already
+:func:`ckrun.checkpoint.shard.write_shard` hands it is recognised by address as already
 being in place, so the disk DMAs straight from the arena in 32 MiB requests on an I/O
 thread (overlapping the CRC32C of the next tensors) with no staging copy.  Bytes that are
 not in place (padding, arrays staged elsewhere) are copied into the arena first, so the
@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
-from ckrun.checkpoint import format as fmt
+from ckrun.checkpoint import shard as fmt
 from ckrun.errors import CheckpointError, ConfigError, StorageError, map_os_error
 from ckrun.storage.base import ObjectInfo, ObjectWriter
 from ckrun.storage.local import DirectUnsupported, LocalStorage, LocalWriter
@@ -166,7 +166,7 @@ class ArenaWriter(LocalWriter):
     """``O_DIRECT`` shard writes straight from a :class:`HostBuffers` arena.
 
     The first ``write`` is the header block (a multiple of 4096 bytes, as
-    :func:`ckrun.checkpoint.format.write_shard` emits it); every later byte at data
+    :func:`ckrun.checkpoint.shard.write_shard` emits it); every later byte at data
     offset ``r`` must be the arena's byte ``r`` (copied there when it is not already).
 
     Raises:

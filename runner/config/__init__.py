@@ -65,7 +65,7 @@ class RunConfig:
         world_size: processes in the job (part of the launch identity); set to
             ``nproc_per_node * nnodes`` when that is above 1.
         nproc_per_node: processes per node; above 1 (or ``nnodes`` above 1) the
-            supervisor runs the command under torchrun (:mod:`ckrun.torchrun`).
+            supervisor runs the command under torchrun (:mod:`ckrun.supervisor.torchrun`).
         nnodes: nodes of the job (one supervisor per node).
         allow_change: compat fields allowed to differ on resume (``--allow-change``).
         notice_sources: cloud notice pollers to run: any of ``aws``, ``gcp``, ``azure``.

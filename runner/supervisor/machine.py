@@ -2,7 +2,7 @@
 
 DESIGN.md §4.5.  No I/O, no clock, no processes: time arrives inside events as
 ``now`` (``time.monotonic()`` seconds), and everything the supervisor must *do* leaves as
-:class:`Action` values that :mod:`ckrun.supervisor`'s loop executes.  Each row of the
+:class:`Action` values that :mod:`ckrun.supervisor.loop`'s loop executes.  Each row of the
 §4.5 table is a unit test of :func:`step` (``tests/supervisor/test_statemachine.py``).
 
 Phases::
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckrun.errors import ExitCode
-from ckrun.smtypes import (  # re-exported: the machine's vocabulary
+from ckrun.supervisor.messages import (  # re-exported: the machine's vocabulary
     Action,
     ChildExited,
     Deliver,

@@ -180,7 +180,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
         CheckpointError: the run has no final checkpoint (it did not complete).
     """
     from ckrun.checkpoint import discovery
-    from ckrun.checkpoint import format as fmt
+    from ckrun.checkpoint import shard as fmt
     from ckrun.storage import open_storage
 
     storage = open_storage(run_root)
@@ -226,7 +226,7 @@ def _supervise(run: str, storage: str, command: Sequence[str], env: Mapping[str,
 
 
 def _preemptions(run_root: str) -> int:
-    from ckrun.events import read_events
+    from ckrun.runlog import read_events
 
     evs = read_events(os.path.join(run_root, "events.jsonl"))
     return sum(1 for ev in evs if ev.get("kind") == "preempted")
