@@ -48,9 +48,14 @@ def build_state(size_gib: float, d_model: int = 1024) -> dict[str, Any]:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(blocks):
-        layers += [torch.nn.LayerNorm(d_model), torch.nn.Linear(d_model, 3 * d_model),
-                   torch.nn.Linear(d_model, d_model), torch.nn.LayerNorm(d_model),
-                   torch.nn.Linear(d_model, 4 * d_model), torch.nn.Linear(4 * d_model, d_model)]
+        layers += [
+            torch.nn.LayerNorm(d_model),
+            torch.nn.Linear(d_model, 3 * d_model),
+            torch.nn.Linear(d_model, d_model),
+            torch.nn.LayerNorm(d_model),
+            torch.nn.Linear(d_model, 4 * d_model),
+            torch.nn.Linear(4 * d_model, d_model),
+        ]
     model = torch.nn.Sequential(*layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
@@ -120,8 +125,9 @@ def pagecache_write(path: str, tensors: list[torch.Tensor]) -> None:
 
 def torch_save(path: str, state: dict[str, Any]) -> None:
     with open(path, "wb") as f:
-        torch.save({"model": state["model"].state_dict(),
-                    "optimizer": state["optimizer"].state_dict()}, f)
+        torch.save(
+            {"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()}, f
+        )
         f.flush()
         os.fsync(f.fileno())
 
@@ -174,14 +180,17 @@ def run(size_gib: float, root: str) -> dict[str, Any]:
     os.unlink(f"{root}/warmup")
     s = rows["saves"]
     s["O_DIRECT write + fsync"] = timed(lambda: odirect_write(f"{root}/odirect", nbytes))[0]
-    s["page-cache write + fsync"] = timed(
-        lambda: pagecache_write(f"{root}/pagecache", tensors))[0]
+    s["page-cache write + fsync"] = timed(lambda: pagecache_write(f"{root}/pagecache", tensors))[0]
     s["torch.save + fsync"] = timed(lambda: torch_save(f"{root}/torch.pt", state))[0]
-    plain = ckrun.Checkpointer(storage=LocalStorage(f"{root}/plain", direct=False,
-                                                    write_behind=False), rng=False, lock=False)
+    plain = ckrun.Checkpointer(
+        storage=LocalStorage(f"{root}/plain", direct=False, write_behind=False),
+        rng=False,
+        lock=False,
+    )
     s["ckrun save (no write-behind)"] = timed(lambda: plain.save(1, state))[0]
-    behind = ckrun.Checkpointer(storage=LocalStorage(f"{root}/direct", direct=False),
-                                rng=False, lock=False)
+    behind = ckrun.Checkpointer(
+        storage=LocalStorage(f"{root}/direct", direct=False), rng=False, lock=False
+    )
     s["ckrun save (page cache + write-behind)"] = timed(lambda: behind.save(1, state))[0]
     shutil.rmtree(f"{root}/plain")
     shutil.rmtree(f"{root}/direct")
@@ -227,12 +236,19 @@ def run(size_gib: float, root: str) -> dict[str, Any]:
 
 def table(r: dict[str, Any]) -> str:
     n = r["state_bytes"]
-    size_of = {"torch.save + fsync": r["torch_file_bytes"], "ckrun save": r["ckrun_file_bytes"],
-               "ckrun save (no write-behind)": r["ckrun_file_bytes"],
-               "ckrun save (page cache + write-behind)": r["ckrun_file_bytes"]}
-    lines = [f"state: {n / (1 << 30):.2f} GiB ({n} bytes); torch {sys.modules['torch'].__version__}"
-             f"; page cache dropped with {r['cache_drop']}", "",
-             "| operation | seconds | GB/s |", "|---|---:|---:|"]
+    size_of = {
+        "torch.save + fsync": r["torch_file_bytes"],
+        "ckrun save": r["ckrun_file_bytes"],
+        "ckrun save (no write-behind)": r["ckrun_file_bytes"],
+        "ckrun save (page cache + write-behind)": r["ckrun_file_bytes"],
+    }
+    lines = [
+        f"state: {n / (1 << 30):.2f} GiB ({n} bytes); torch {sys.modules['torch'].__version__}"
+        f"; page cache dropped with {r['cache_drop']}",
+        "",
+        "| operation | seconds | GB/s |",
+        "|---|---:|---:|",
+    ]
     rate = {}
     for k, dt in r["saves"].items():
         rate[k] = size_of.get(k, n) / dt / GB
@@ -244,17 +260,18 @@ def table(r: dict[str, Any]) -> str:
     ck, cold = rate["ckrun save"], rate["cold read (file → reused buffer)"]
     wb = rate["ckrun save (page cache + write-behind)"]
     ld = rate["ckrun load → model+opt"]
-    lines += ["",
-              f"ckrun save / O_DIRECT limit: {ck / rate['O_DIRECT write + fsync']:.2f}× "
-              "(target ≥ 0.75)",
-              f"ckrun save / torch.save: {ck / rate['torch.save + fsync']:.2f}× (target ≥ 1.5)",
-              f"ckrun save / page-cache write: {ck / rate['page-cache write + fsync']:.2f}×",
-              f"write-behind gain (page cache): {wb / rate['ckrun save (no write-behind)']:.2f}×",
-              f"O_DIRECT writer (default) / write-behind: {ck / wb:.2f}×",
-              f"ckrun load / cold read: {ld / cold:.2f}× (target ≥ 1.0)",
-              f"ckrun load / torch.load: {ld / rate['torch.load(weights_only) → model+opt']:.2f}×",
-              f"extra RSS during ckrun save: {r['save_extra_rss_bytes'] / (1 << 20):.1f} MiB = "
-              f"{100 * r['save_extra_rss_bytes'] / n:.1f} % of the state (target ≤ 10 %)"]
+    lines += [
+        "",
+        f"ckrun save / O_DIRECT limit: {ck / rate['O_DIRECT write + fsync']:.2f}× (target ≥ 0.75)",
+        f"ckrun save / torch.save: {ck / rate['torch.save + fsync']:.2f}× (target ≥ 1.5)",
+        f"ckrun save / page-cache write: {ck / rate['page-cache write + fsync']:.2f}×",
+        f"write-behind gain (page cache): {wb / rate['ckrun save (no write-behind)']:.2f}×",
+        f"O_DIRECT writer (default) / write-behind: {ck / wb:.2f}×",
+        f"ckrun load / cold read: {ld / cold:.2f}× (target ≥ 1.0)",
+        f"ckrun load / torch.load: {ld / rate['torch.load(weights_only) → model+opt']:.2f}×",
+        f"extra RSS during ckrun save: {r['save_extra_rss_bytes'] / (1 << 20):.1f} MiB = "
+        f"{100 * r['save_extra_rss_bytes'] / n:.1f} % of the state (target ≤ 10 %)",
+    ]
     return "\n".join(lines)
 
 
@@ -263,12 +280,16 @@ def main() -> int:
     ap.add_argument("--size-gib", type=float, default=1.0, help="state size in GiB [1]")
     ap.add_argument("--dir", default="/tmp/ckrun-bench", help="scratch directory (removed)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
-    ap.add_argument("--sizes", default=None,
-                    help="issue 7's side-by-side table instead (bench/checkpoint_async.py): "
-                         "comma-separated GiB, e.g. 0.25,1 or 0.25,1,4")
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="issue 7's side-by-side table instead (bench/checkpoint_async.py): "
+        "comma-separated GiB, e.g. 0.25,1 or 0.25,1,4",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure (median) [3]")
-    ap.add_argument("--compute-s", type=float, default=3.0,
-                    help="seconds of matmul per compute-loop figure [3]")
+    ap.add_argument(
+        "--compute-s", type=float, default=3.0, help="seconds of matmul per compute-loop figure [3]"
+    )
     a = ap.parse_args()
     if a.sizes:
         import checkpoint_async as ca

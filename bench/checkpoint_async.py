@@ -104,8 +104,9 @@ class Matmul:
             n += 1
         return n / (time.perf_counter() - t0)
 
-    def rate_during(self, start: Callable[[], Callable[[], bool]],
-                    min_s: float) -> tuple[float, float]:
+    def rate_during(
+        self, start: Callable[[], Callable[[], bool]], min_s: float
+    ) -> tuple[float, float]:
         """(matmuls per second, mean persist seconds) while persists started by ``start``
         run (``start`` returns a done() predicate after its pause, which is not counted)."""
         n, busy, k = 0, 0.0, 0
@@ -126,18 +127,22 @@ def limits(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> No
     tensors = list(flat(state).values())
     odirect_write(f"{root}/warmup", 256 << 20)
     _rm(f"{root}/warmup")
-    r["O_DIRECT write + fsync"] = med(lambda: odirect_write(f"{root}/od", n), reps,
-                                      lambda: _rm(f"{root}/od"))
+    r["O_DIRECT write + fsync"] = med(
+        lambda: odirect_write(f"{root}/od", n), reps, lambda: _rm(f"{root}/od")
+    )
     _rm(f"{root}/od")
-    r["page-cache write + fsync"] = med(lambda: pagecache_write(f"{root}/pc", tensors), reps,
-                                        lambda: _rm(f"{root}/pc"))
+    r["page-cache write + fsync"] = med(
+        lambda: pagecache_write(f"{root}/pc", tensors), reps, lambda: _rm(f"{root}/pc")
+    )
     _rm(f"{root}/pc")
+
     def copy_into(out: list[torch.Tensor]) -> None:
         for s, d in zip(tensors, out, strict=True):
             d.copy_(s)
 
     r["memcpy into fresh memory (first touch)"] = med(
-        lambda: copy_into([torch.empty_like(t) for t in tensors]), reps)
+        lambda: copy_into([torch.empty_like(t) for t in tensors]), reps
+    )
 
 
 def _async_pair(start: Callable[[], Any], wait: Callable[[Any], Any]) -> tuple[float, float]:
@@ -155,16 +160,18 @@ def reference_saves(state: dict[str, Any], root: str, reps: int, r: dict[str, An
     import torch.distributed.checkpoint as dcp
 
     fl = flat(state)
-    r["torch.save + fsync"] = med(lambda: torch_save(f"{root}/t.pt", state), reps,
-                                  lambda: _rm(f"{root}/t.pt"))
+    r["torch.save + fsync"] = med(
+        lambda: torch_save(f"{root}/t.pt", state), reps, lambda: _rm(f"{root}/t.pt")
+    )
 
     def sf() -> None:
         st.save_file(fl, f"{root}/s.safetensors")
         _fsync(f"{root}/s.safetensors")
 
     r["safetensors save_file + fsync"] = med(sf, reps, lambda: _rm(f"{root}/s.safetensors"))
-    r["DCP save"] = med(lambda: dcp.save(fl, checkpoint_id=f"{root}/dcp"), reps,
-                        lambda: _rm(f"{root}/dcp"))
+    r["DCP save"] = med(
+        lambda: dcp.save(fl, checkpoint_id=f"{root}/dcp"), reps, lambda: _rm(f"{root}/dcp")
+    )
 
 
 def saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> None:
@@ -192,25 +199,30 @@ def saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
 
     def dcp_async(stg: Any) -> tuple[float, float]:
         _rm(f"{root}/dcpa")
-        return _async_pair(lambda: dcp.async_save(fl, checkpoint_id=f"{root}/dcpa",
-                                                  async_stager=stg), lambda f: f.result())
+        return _async_pair(
+            lambda: dcp.async_save(fl, checkpoint_id=f"{root}/dcpa", async_stager=stg),
+            lambda f: f.result(),
+        )
 
     dcp_async(stager)  # the reused stager allocates its copy on the first call
     assert ck._async is not None  # memcpy lower bound: into the async save's own buffers
-    pairs = [(a, b) for a, b in zip(ck.snapshot(state).tensors, ck._async.buffers._views,
-                                    strict=True)
-             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)]
+    pairs = [
+        (a, b)
+        for a, b in zip(ck.snapshot(state).tensors, ck._async.buffers._views, strict=True)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    ]
     samples: dict[str, list[float]] = {}
     for _ in range(reps):
         t = time.perf_counter()
         for src, dst in pairs:
             dst.copy_(src)
         samples.setdefault("memcpy into reused buffers", []).append(time.perf_counter() - t)
-        for name, pair in (("ckrun async_save", ck_async),
-                           ("DCP async_save (reused stager)", lambda: dcp_async(stager)),
-                           ("DCP async_save", lambda: dcp_async(None)),
-                           ("ckrun save", lambda: (0.0, med(lambda: ck.save(next(step), state),
-                                                           1)))):
+        for name, pair in (
+            ("ckrun async_save", ck_async),
+            ("DCP async_save (reused stager)", lambda: dcp_async(stager)),
+            ("DCP async_save", lambda: dcp_async(None)),
+            ("ckrun save", lambda: (0.0, med(lambda: ck.save(next(step), state), 1))),
+        ):
             p, d = pair()
             samples.setdefault(f"{name}: pause", []).append(p)
             samples.setdefault(f"{name}: time to durable", []).append(d)
@@ -234,8 +246,9 @@ def loads(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
     files = [shard, f"{root}/t.pt", f"{root}/s.safetensors"]
 
     def drop() -> None:
-        r["cache_drop"] = drop_cache(files + [os.path.join(d, f) for d, _, fs in
-                                              os.walk(f"{root}/dcp") for f in fs])
+        r["cache_drop"] = drop_cache(
+            files + [os.path.join(d, f) for d, _, fs in os.walk(f"{root}/dcp") for f in fs]
+        )
 
     r["load: cold read of the ckrun shard"] = med(lambda: cold_read(shard), reps, drop)
     cold_read(shard)
@@ -250,26 +263,35 @@ def loads(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
     r["load: ckrun load → model+opt"] = med(lambda: ck.load(state), reps, drop)
     r["load: torch.load(weights_only) → model+opt"] = med(tload, reps, drop)
     r["load: safetensors load_file → dict"] = med(
-        lambda: st.load_file(f"{root}/s.safetensors"), reps, drop)
+        lambda: st.load_file(f"{root}/s.safetensors"), reps, drop
+    )
     fl = flat(state)
-    r["load: DCP load → in place"] = med(lambda: dcp.load(fl, checkpoint_id=f"{root}/dcp"),
-                                         reps, drop)
+    r["load: DCP load → in place"] = med(
+        lambda: dcp.load(fl, checkpoint_id=f"{root}/dcp"), reps, drop
+    )
 
 
-def _starts(state: dict[str, Any], root: str, ck: ckrun.Checkpointer,
-            stager: Any) -> dict[str, Callable[[], Callable[[], bool]]]:
+def _starts(
+    state: dict[str, Any], root: str, ck: ckrun.Checkpointer, stager: Any
+) -> dict[str, Callable[[], Callable[[], bool]]]:
     """Per condition: start one background persist, return its done() predicate."""
     import torch.distributed.checkpoint as dcp
 
     assert ck._async is not None
-    pool, step, n, fl = ck._async._pool, iter(range(1000, 1 << 30)), iter(range(1 << 30)), \
-        flat(state)
+    pool, step, n, fl = (
+        ck._async._pool,
+        iter(range(1000, 1 << 30)),
+        iter(range(1 << 30)),
+        flat(state),
+    )
 
     def at_nice(nice: int) -> Callable[[], Callable[[], bool]]:
         def start() -> Callable[[], bool]:  # the worker's nice (root may lower it again)
-            pool.submit(lambda: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                                               nice)).result()
+            pool.submit(
+                lambda: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            ).result()
             return ck.async_save(next(step), state).done
+
         return start
 
     def dcp_start() -> Callable[[], bool]:
@@ -282,15 +304,16 @@ def _starts(state: dict[str, Any], root: str, ck: ckrun.Checkpointer,
         t.start()
         return lambda: not t.is_alive()
 
-    return {"compute during ckrun async persist": at_nice(10),
-            "compute during ckrun async persist (worker at nice 0)": at_nice(0),
-            "compute during ckrun async persist (worker at nice 19)": at_nice(19),
-            "compute during DCP async_save persist": dcp_start,
-            "compute during a torch.save + fsync thread": naive_start}
+    return {
+        "compute during ckrun async persist": at_nice(10),
+        "compute during ckrun async persist (worker at nice 0)": at_nice(0),
+        "compute during ckrun async persist (worker at nice 19)": at_nice(19),
+        "compute during DCP async_save persist": dcp_start,
+        "compute during a torch.save + fsync thread": naive_start,
+    }
 
 
-def compute(state: dict[str, Any], root: str, r: dict[str, Any], min_s: float,
-            reps: int) -> None:
+def compute(state: dict[str, Any], root: str, r: dict[str, Any], min_s: float, reps: int) -> None:
     """Matmul throughput during background persists, each window bracketed by windows of
     the loop alone (its share: during / mean of the two neighbours; median of ``reps``)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -327,8 +350,12 @@ def run(size_gib: float, root: str, reps: int, min_s: float) -> dict[str, Any]:
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     state = build_state(size_gib)
-    r: dict[str, Any] = {"size_gib": size_gib, "state_bytes": state_bytes(state),
-                         "repeats": reps, "torch": torch.__version__}
+    r: dict[str, Any] = {
+        "size_gib": size_gib,
+        "state_bytes": state_bytes(state),
+        "repeats": reps,
+        "torch": torch.__version__,
+    }
     limits(state, root, reps, r)
     saves(state, root, reps, r)
     loads(state, root, reps, r)
@@ -337,21 +364,36 @@ def run(size_gib: float, root: str, reps: int, min_s: float) -> dict[str, Any]:
     return r
 
 
-RATE_ROWS = ("O_DIRECT write + fsync", "page-cache write + fsync", "memcpy into reused buffers",
-             "memcpy into fresh memory (first touch)", "torch.save + fsync",
-             "safetensors save_file + fsync", "DCP save", "DCP async_save: pause",
-             "DCP async_save: time to durable", "DCP async_save (reused stager): pause",
-             "DCP async_save (reused stager): time to durable", "ckrun save",
-             "ckrun async_save: first pause (fresh buffers)", "ckrun async_save: pause",
-             "ckrun async_save: time to durable", "load: cold read of the ckrun shard",
-             "load: warm read of the ckrun shard", "load: ckrun load → model+opt",
-             "load: torch.load(weights_only) → model+opt",
-             "load: safetensors load_file → dict", "load: DCP load → in place")
-COMPUTE_ROWS = ("compute during ckrun async persist",
-                "compute during ckrun async persist (worker at nice 0)",
-                "compute during ckrun async persist (worker at nice 19)",
-                "compute during DCP async_save persist",
-                "compute during a torch.save + fsync thread")
+RATE_ROWS = (
+    "O_DIRECT write + fsync",
+    "page-cache write + fsync",
+    "memcpy into reused buffers",
+    "memcpy into fresh memory (first touch)",
+    "torch.save + fsync",
+    "safetensors save_file + fsync",
+    "DCP save",
+    "DCP async_save: pause",
+    "DCP async_save: time to durable",
+    "DCP async_save (reused stager): pause",
+    "DCP async_save (reused stager): time to durable",
+    "ckrun save",
+    "ckrun async_save: first pause (fresh buffers)",
+    "ckrun async_save: pause",
+    "ckrun async_save: time to durable",
+    "load: cold read of the ckrun shard",
+    "load: warm read of the ckrun shard",
+    "load: ckrun load → model+opt",
+    "load: torch.load(weights_only) → model+opt",
+    "load: safetensors load_file → dict",
+    "load: DCP load → in place",
+)
+COMPUTE_ROWS = (
+    "compute during ckrun async persist",
+    "compute during ckrun async persist (worker at nice 0)",
+    "compute during ckrun async persist (worker at nice 19)",
+    "compute during DCP async_save persist",
+    "compute during a torch.save + fsync thread",
+)
 
 
 def _paired(r: dict[str, Any], a: str, b: str) -> float:
@@ -367,54 +409,91 @@ def _mark(ok: bool) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown tables: seconds (GB/s of the state) per size, compute ratios, targets."""
     sizes = [f"{r['size_gib']:g} GiB" for r in rows]
-    out = [f"torch {rows[0]['torch']}; medians of {rows[0]['repeats']} runs; GB/s = state "
-           f"bytes / s; page cache dropped with {rows[0].get('cache_drop')}", "",
-           "| operation | " + " | ".join(sizes) + " |", "|---|" + "---:|" * len(rows)]
+    out = [
+        f"torch {rows[0]['torch']}; medians of {rows[0]['repeats']} runs; GB/s = state "
+        f"bytes / s; page cache dropped with {rows[0].get('cache_drop')}",
+        "",
+        "| operation | " + " | ".join(sizes) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
     for k in RATE_ROWS:
         cells = [f"{r[k]:.3f} s ({r['state_bytes'] / r[k] / 1e9:.2f})" for r in rows]
         out.append(f"| {k} | " + " | ".join(cells) + " |")
-    out += ["", "| compute loop: matmul/s (share of alone; persist s meanwhile) | "
-            + " | ".join(sizes) + " |",
-            "|---|" + "---:|" * len(rows)]
+    out += [
+        "",
+        "| compute loop: matmul/s (share of alone; persist s meanwhile) | "
+        + " | ".join(sizes)
+        + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
     out.append("| alone | " + " | ".join(f"{r['compute alone']:.0f}" for r in rows) + " |")
     for k in COMPUTE_ROWS:
-        out.append(f"| {k.removeprefix('compute ')} | " + " | ".join(
-            f"{r[k]:.0f} ({100 * r[k + ': share']:.0f} %; {r[k + ': persist s']:.2f} s)"
-            for r in rows) + " |")
+        out.append(
+            f"| {k.removeprefix('compute ')} | "
+            + " | ".join(
+                f"{r[k]:.0f} ({100 * r[k + ': share']:.0f} %; {r[k + ': persist s']:.2f} s)"
+                for r in rows
+            )
+            + " |"
+        )
     out += ["", "| ratio (target) | " + " | ".join(sizes) + " |", "|---|" + "---:|" * len(rows)]
     for name, fn, ok in _RATIOS:
-        out.append(f"| {name} | " + " | ".join(f"{fn(r):.2f} {_mark(ok(fn(r)))}" for r in rows)
-                   + " |")
-    for name, key in (("extra RSS, first async_save (% of state)", "ckrun async_save: extra"
-                       " RSS bytes"), ("extra RSS, sync save (% of state)",
-                                       "ckrun save: extra RSS bytes")):
-        out.append(f"| {name} | " + " | ".join(
-            f"{r[key] / 2**20:.0f} MiB = {100 * r[key] / r['state_bytes']:.0f} %"
-            for r in rows) + " |")
+        out.append(
+            f"| {name} | " + " | ".join(f"{fn(r):.2f} {_mark(ok(fn(r)))}" for r in rows) + " |"
+        )
+    for name, key in (
+        ("extra RSS, first async_save (% of state)", "ckrun async_save: extra RSS bytes"),
+        ("extra RSS, sync save (% of state)", "ckrun save: extra RSS bytes"),
+    ):
+        out.append(
+            f"| {name} | "
+            + " | ".join(
+                f"{r[key] / 2**20:.0f} MiB = {100 * r[key] / r['state_bytes']:.0f} %" for r in rows
+            )
+            + " |"
+        )
     return "\n".join(out)
 
 
 _RATIOS: list[tuple[str, Callable[[dict[str, Any]], float], Callable[[float], bool]]] = [
-    ("async pause / memcpy into reused buffers (≤ 1.2)",
-     lambda r: _paired(r, "ckrun async_save: pause", "memcpy into reused buffers"),
-     lambda v: v <= 1.2),
-    ("async pause / DCP async_save pause, reused stager (< 1)",
-     lambda r: _paired(r, "ckrun async_save: pause", "DCP async_save (reused stager): pause"),
-     lambda v: v < 1.0),
-    ("async pause / DCP async_save pause, fresh stager (< 1)",
-     lambda r: _paired(r, "ckrun async_save: pause", "DCP async_save: pause"),
-     lambda v: v < 1.0),
-    ("async time to durable / ckrun save (≤ 1.2)",
-     lambda r: _paired(r, "ckrun async_save: time to durable", "ckrun save"),
-     lambda v: v <= 1.2),
-    ("compute kept during ckrun async persist (≥ 0.75)",
-     lambda r: r["compute during ckrun async persist: share"],
-     lambda v: v >= 0.75),
-    ("ckrun save / O_DIRECT limit, speed (≥ 0.75)",
-     lambda r: r["O_DIRECT write + fsync"] / r["ckrun save"], lambda v: v >= 0.75),
-    ("ckrun save / torch.save, speed",
-     lambda r: r["torch.save + fsync"] / r["ckrun save"], lambda v: v >= 1.0),
-    ("ckrun load / cold read, speed (≥ 1.0, issue 2)",
-     lambda r: r["load: cold read of the ckrun shard"] / r["load: ckrun load → model+opt"],
-     lambda v: v >= 1.0),
+    (
+        "async pause / memcpy into reused buffers (≤ 1.2)",
+        lambda r: _paired(r, "ckrun async_save: pause", "memcpy into reused buffers"),
+        lambda v: v <= 1.2,
+    ),
+    (
+        "async pause / DCP async_save pause, reused stager (< 1)",
+        lambda r: _paired(r, "ckrun async_save: pause", "DCP async_save (reused stager): pause"),
+        lambda v: v < 1.0,
+    ),
+    (
+        "async pause / DCP async_save pause, fresh stager (< 1)",
+        lambda r: _paired(r, "ckrun async_save: pause", "DCP async_save: pause"),
+        lambda v: v < 1.0,
+    ),
+    (
+        "async time to durable / ckrun save (≤ 1.2)",
+        lambda r: _paired(r, "ckrun async_save: time to durable", "ckrun save"),
+        lambda v: v <= 1.2,
+    ),
+    (
+        "compute kept during ckrun async persist (≥ 0.75)",
+        lambda r: r["compute during ckrun async persist: share"],
+        lambda v: v >= 0.75,
+    ),
+    (
+        "ckrun save / O_DIRECT limit, speed (≥ 0.75)",
+        lambda r: r["O_DIRECT write + fsync"] / r["ckrun save"],
+        lambda v: v >= 0.75,
+    ),
+    (
+        "ckrun save / torch.save, speed",
+        lambda r: r["torch.save + fsync"] / r["ckrun save"],
+        lambda v: v >= 1.0,
+    ),
+    (
+        "ckrun load / cold read, speed (≥ 1.0, issue 2)",
+        lambda r: r["load: cold read of the ckrun shard"] / r["load: ckrun load → model+opt"],
+        lambda v: v >= 1.0,
+    ),
 ]

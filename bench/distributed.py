@@ -90,15 +90,17 @@ def _launch(world: int, root: str, size_mib: int, mode: str, out: str) -> dict[s
     port = _free_port()
     procs = []
     for r in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if world > 1:
             env.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
         else:
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
                 env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", mode, root,
-                                       str(size_mib), out], env=env))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank-main", mode, root, str(size_mib), out], env=env
+            )
+        )
     if any(p.wait() != 0 for p in procs):
         raise SystemExit(f"a rank failed (world {world}, {mode})")
     with open(out) as f:
@@ -124,9 +126,16 @@ def bench(worlds: list[int], size_mib: int, repeats: int, base: str) -> list[dic
                 _drop_cache(root)
                 loads1.append(_launch(1, root, size_mib, "load", out)["seconds"])
             shutil.rmtree(root, ignore_errors=True)
-        rows.append({"world": world, "bytes": nbytes, "cache": how,
-                     "save_s": statistics.median(saves), "load_s": statistics.median(loads),
-                     "load_on_1_s": statistics.median(loads1) if loads1 else None})
+        rows.append(
+            {
+                "world": world,
+                "bytes": nbytes,
+                "cache": how,
+                "save_s": statistics.median(saves),
+                "load_s": statistics.median(loads),
+                "load_on_1_s": statistics.median(loads1) if loads1 else None,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -144,13 +153,17 @@ def main() -> None:
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     rows = bench([int(w) for w in a.worlds.split(",")], a.size_mib, a.repeats, a.dir)
-    print(f"{'world':>5} {'shard MiB':>9} {'total MiB':>9} {'save s':>7} {'GB/s':>5} "
-          f"{'load s':>7} {'load on 1 s':>11}")
+    print(
+        f"{'world':>5} {'shard MiB':>9} {'total MiB':>9} {'save s':>7} {'GB/s':>5} "
+        f"{'load s':>7} {'load on 1 s':>11}"
+    )
     for r in rows:
         total = r["bytes"] / (1 << 20)
         on1 = f"{r['load_on_1_s']:.3f}" if r["load_on_1_s"] is not None else "-"
-        print(f"{r['world']:>5} {total / r['world']:>9.0f} {total:>9.0f} {r['save_s']:>7.3f} "
-              f"{r['bytes'] / r['save_s'] / 1e9:>5.2f} {r['load_s']:>7.3f} {on1:>11}")
+        print(
+            f"{r['world']:>5} {total / r['world']:>9.0f} {total:>9.0f} {r['save_s']:>7.3f} "
+            f"{r['bytes'] / r['save_s'] / 1e9:>5.2f} {r['load_s']:>7.3f} {on1:>11}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

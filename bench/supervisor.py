@@ -102,27 +102,53 @@ def e2e(tmp: Path, state_mb: int) -> dict[str, float]:
     """One drill on a torch child: notice → durable and restart → first resumed step."""
     env = dict(os.environ, BENCH_STATE_MB=str(state_mb))
     env.pop("CKRUN_CONTROL_DIR", None)
-    sup = subprocess.Popen([PY, "-m", "ckrun.cli", "submit", "--run", "e2e", "--storage",
-                            str(tmp / "runs"), "--", PY, "-c", TRAIN], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    sup = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "ckrun.cli",
+            "submit",
+            "--run",
+            "e2e",
+            "--storage",
+            str(tmp / "runs"),
+            "--",
+            PY,
+            "-c",
+            TRAIN,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     assert sup.stdout is not None
     evs = [json.loads(sup.stdout.readline())]
     t0 = time.time()
-    subprocess.run([PY, "-m", "ckrun.cli", "preempt", "e2e", "--storage", str(tmp / "runs")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [PY, "-m", "ckrun.cli", "preempt", "e2e", "--storage", str(tmp / "runs")],
+        check=True,
+        capture_output=True,
+    )
     for line in sup.stdout:
         evs.append(json.loads(line))
     sup.wait(timeout=300)
     saved = next(e for e in evs if e["ev"] == "saved")
     resumed = next(e for e in evs if e["ev"] == "first_step" and e["resumed"])
-    log = [json.loads(x) for x in (tmp / "runs" / "e2e" / "events.jsonl").read_text().split(
-        "\n") if x.strip()]
+    log = [
+        json.loads(x)
+        for x in (tmp / "runs" / "e2e" / "events.jsonl").read_text().split("\n")
+        if x.strip()
+    ]
     from ckrun.notices import parse_utc
 
     end = next(parse_utc(e["utc"]).timestamp() for e in log if e["kind"] == "attempt_end")
-    return {"notice_to_durable_s": saved["t_done"] - t0,
-            "save_s": saved["t_done"] - saved["t_flag"],
-            "restart_to_first_step_s": resumed["t"] - end, "load_s": resumed["load_s"]}
+    return {
+        "notice_to_durable_s": saved["t_done"] - t0,
+        "save_s": saved["t_done"] - saved["t_flag"],
+        "restart_to_first_step_s": resumed["t"] - end,
+        "load_s": resumed["load_s"],
+    }
 
 
 def _lines(path: Path) -> list[str]:
@@ -157,16 +183,19 @@ def baseline_start(n: int = 5) -> float:
     times = []
     for _ in range(n):
         t0 = time.monotonic()
-        out = subprocess.run([PY, "-c", "import time; print(time.monotonic())"],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [PY, "-c", "import time; print(time.monotonic())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         times.append(float(out) - t0)
     return statistics.median(times)
 
 
 def baseline_latency(n: int) -> list[float]:
     """Direct ``kill(SIGUSR1)`` → handler latencies of a bare Python process, seconds."""
-    p = subprocess.Popen([PY, "-c", BARE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen([PY, "-c", BARE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdin and p.stdout
     p.stdout.readline()
     lat = []
@@ -184,13 +213,28 @@ def baseline_latency(n: int) -> list[float]:
 def supervised(n: int, idle_s: float, tmp: Path) -> dict[str, object]:
     """Start-up, RSS, idle CPU and ``n`` notice → flag latencies of one supervisor."""
     out = tmp / "child.out"
-    env = dict(os.environ, BENCH_OUT=str(out), CKRUN_MAX_REQUEUES=str(n + 10),
-               CKRUN_GRACE_S="30")
+    env = dict(os.environ, BENCH_OUT=str(out), CKRUN_MAX_REQUEUES=str(n + 10), CKRUN_GRACE_S="30")
     env.pop("CKRUN_CONTROL_DIR", None)
     t0 = time.monotonic()
-    sup = subprocess.Popen([PY, "-m", "ckrun.cli", "run", "--run", "bench", "--storage",
-                            str(tmp / "runs"), "--", PY, "-c", CHILD], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sup = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "ckrun.cli",
+            "run",
+            "--run",
+            "bench",
+            "--storage",
+            str(tmp / "runs"),
+            "--",
+            PY,
+            "-c",
+            CHILD,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     first = _wait(lambda: [x for x in _lines(out) if x.startswith("ready")])
     startup = float(first[0].split()[2]) - t0
     time.sleep(0.5)
@@ -208,9 +252,13 @@ def supervised(n: int, idle_s: float, tmp: Path) -> dict[str, object]:
     _wait(lambda: sum(x.startswith("ready") for x in _lines(out)) > n)
     sup.send_signal(signal.SIGTERM)
     sup.wait(timeout=60)
-    return {"startup_s": startup, "rss_bytes": mem.get("VmRSS"),
-            "rss_peak_bytes": mem.get("VmHWM"), "idle_cpu_fraction": idle_cpu,
-            "latency_s": lat}
+    return {
+        "startup_s": startup,
+        "rss_bytes": mem.get("VmRSS"),
+        "rss_peak_bytes": mem.get("VmHWM"),
+        "idle_cpu_fraction": idle_cpu,
+        "latency_s": lat,
+    }
 
 
 def bare_rss() -> int:
@@ -250,9 +298,13 @@ def main() -> int:
         "state_mb": a.state_mb,
         **{k: round(v, 4) for k, v in ee.items()},
     }
-    targets = {"startup_s": 0.3, "rss_mb": 60.0, "notice_p50_ms": 10.0,
-               "notice_to_durable_s": ee["save_s"] + 1.0,
-               "restart_to_first_step_s": ee["load_s"] + 3.0}
+    targets = {
+        "startup_s": 0.3,
+        "rss_mb": 60.0,
+        "notice_p50_ms": 10.0,
+        "notice_to_durable_s": ee["save_s"] + 1.0,
+        "restart_to_first_step_s": ee["load_s"] + 3.0,
+    }
     if a.json:
         print(json.dumps(res, indent=1))
     else:

@@ -133,8 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--keep-last", type=int, default=3)
-    p.add_argument("--storage", default="ckrun-runs/charlm-standalone",
-                   help="checkpoint storage when not run under the ckrun supervisor")
+    p.add_argument(
+        "--storage",
+        default="ckrun-runs/charlm-standalone",
+        help="checkpoint storage when not run under the ckrun supervisor",
+    )
     return p.parse_args(argv)
 
 
@@ -170,24 +173,35 @@ def main(argv: list[str] | None = None) -> int:
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    sampler = ckrun.ResumableSampler(len(train), shuffle=True, seed=args.seed,
-                                     num_replicas=world, rank=rank)
+    sampler = ckrun.ResumableSampler(
+        len(train), shuffle=True, seed=args.seed, num_replicas=world, rank=rank
+    )
 
     hparams = {k: v for k, v in vars(args).items() if k not in ("steps", "log_every", "storage")}
     ckpt = ckrun.Checkpointer.from_env(
         storage=args.storage,
-        compat={"config": hparams, "model_version": "charlm-v1",
-                "dataset_version": dataset_version, "precision": "fp32"},
+        compat={
+            "config": hparams,
+            "model_version": "charlm-v1",
+            "dataset_version": dataset_version,
+            "precision": "fp32",
+        },
         keep_last=args.keep_last,
     )
-    state: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched,
-                             "sampler": sampler}
+    state: dict[str, Any] = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "sampler": sampler,
+    }
     manifest = ckpt.load(state)
     start = manifest.step + 1 if manifest else 0
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"charlm: {n_params / 1e6:.2f} M parameters, vocab {len(vocab)}, "
+    log(
+        f"charlm: {n_params / 1e6:.2f} M parameters, vocab {len(vocab)}, "
         f"{len(text) / 1e3:.0f} kB of {dataset_version}, {world} process(es), "
-        + (f"resumed at step {start}" if manifest else "starting from scratch"))
+        + (f"resumed at step {start}" if manifest else "starting from scratch")
+    )
 
     batches = iter_batches(train, sampler, args.batch)
     t0, tokens, loss_sum, n_loss = time.perf_counter(), 0, 0.0, 0
@@ -206,8 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         n_loss += 1
         if (step + 1) % args.log_every == 0:
             dt = time.perf_counter() - t0
-            log(f"step {step + 1:5d}/{args.steps}  loss {loss_sum / n_loss:.3f}  "
-                f"lr {sched.get_last_lr()[0]:.2e}  {tokens * world / dt:,.0f} tok/s")
+            log(
+                f"step {step + 1:5d}/{args.steps}  loss {loss_sum / n_loss:.3f}  "
+                f"lr {sched.get_last_lr()[0]:.2e}  {tokens * world / dt:,.0f} tok/s"
+            )
             t0, tokens, loss_sum, n_loss = time.perf_counter(), 0, 0.0, 0
         last = step == args.steps - 1
         if ckrun.preemption_requested(sync=True):  # every rank stops at the same step
@@ -244,16 +260,18 @@ def evaluate(model: CharLM, ds: Chunks, batch: int) -> float:
     for s in range(0, len(ds), batch):
         xs, ys = zip(*(ds[j] for j in range(s, min(len(ds), s + batch))), strict=False)
         logits = model(torch.stack(xs))
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                 torch.stack(ys).reshape(-1), reduction="sum").item()
+        total += F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), torch.stack(ys).reshape(-1), reduction="sum"
+        ).item()
         n += sum(y.numel() for y in ys)
     model.train()
     return total / max(1, n)
 
 
 @torch.no_grad()
-def generate(model: CharLM, vocab: list[str], stoi: dict[str, int], prompt: str, n: int,
-             block: int) -> str:
+def generate(
+    model: CharLM, vocab: list[str], stoi: dict[str, int], prompt: str, n: int, block: int
+) -> str:
     model.eval()
     g = torch.Generator().manual_seed(0)
     idx = torch.tensor([[stoi.get(c, 0) for c in prompt]])

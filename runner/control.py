@@ -122,11 +122,7 @@ def _shield_from_dataloader_workers() -> None:
 
 def _handler(signum: int, frame: FrameType | None) -> None:
     cdir = control_dir()
-    if (
-        signum == signal.SIGTERM
-        and cdir
-        and os.path.exists(os.path.join(cdir, ESCALATE_FILE))
-    ):
+    if signum == signal.SIGTERM and cdir and os.path.exists(os.path.join(cdir, ESCALATE_FILE)):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return

@@ -32,9 +32,7 @@ def utcnow() -> dt.datetime:
 
 def iso_utc(t: dt.datetime) -> str:
     """ISO-8601 UTC with a ``Z`` suffix, millisecond precision."""
-    return t.astimezone(dt.timezone.utc).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z"
-    )
+    return t.astimezone(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def parse_utc(s: str) -> dt.datetime:

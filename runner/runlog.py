@@ -24,9 +24,21 @@ from typing import Any
 from ckrun.notices import iso_utc, utcnow
 
 #: Event kinds flushed to disk (fsync) when appended.
-DURABLE = frozenset({"attempt_end", "preempted", "requeue", "completed", "failed",
-                     "cancelled", "incompatible", "already_complete", "requeue_failed",
-                     "submitted", "supervisor_exit"})
+DURABLE = frozenset(
+    {
+        "attempt_end",
+        "preempted",
+        "requeue",
+        "completed",
+        "failed",
+        "cancelled",
+        "incompatible",
+        "already_complete",
+        "requeue_failed",
+        "submitted",
+        "supervisor_exit",
+    }
+)
 
 
 class EventLog:

@@ -10,11 +10,10 @@ from pathlib import Path
 PY = sys.executable
 
 
-def cli(args: list[str], cwd: Path | None = None,
-        **kw: object) -> subprocess.CompletedProcess[str]:
+def cli(args: list[str], cwd: Path | None = None, **kw: object) -> subprocess.CompletedProcess[str]:
     r: subprocess.CompletedProcess[str] = subprocess.run(  # type: ignore[call-overload]
-        [PY, "-m", "ckrun.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=60,
-        **kw)
+        [PY, "-m", "ckrun.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=60, **kw
+    )
     return r
 
 
@@ -31,8 +30,9 @@ print("exit", code)
 
 
 def test_help_does_not_import_torch() -> None:
-    r = subprocess.run([PY, "-c", NO_TORCH.format(argv=["--help"])], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [PY, "-c", NO_TORCH.format(argv=["--help"])], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert "exit 0" in r.stdout
     for cmd in ("submit", "run", "status", "preempt", "cancel", "config"):
@@ -41,15 +41,33 @@ def test_help_does_not_import_torch() -> None:
 
 def test_run_supervises_without_importing_torch(tmp_path: Path) -> None:
     argv = ["run", "--run", "nt", "--storage", str(tmp_path), "--", "true"]
-    r = subprocess.run([PY, "-c", NO_TORCH.format(argv=argv)], capture_output=True,
-                       text=True, timeout=60, cwd=tmp_path)
+    r = subprocess.run(
+        [PY, "-c", NO_TORCH.format(argv=argv)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert "exit 0" in r.stdout
 
 
 def test_submit_py_script_uses_this_python_and_dry_run_writes_nothing(tmp_path: Path) -> None:
-    r = cli(["submit", "--dry-run", "--run", "d", "--storage", "runs", "train.py", "--",
-             "--steps", "5"], tmp_path)
+    r = cli(
+        [
+            "submit",
+            "--dry-run",
+            "--run",
+            "d",
+            "--storage",
+            "runs",
+            "train.py",
+            "--",
+            "--steps",
+            "5",
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     body = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
     assert body["command"] == [PY, "train.py", "--steps", "5"]
@@ -79,14 +97,12 @@ def test_config_invalid_exits_3(tmp_path: Path) -> None:
 
 
 def test_command_not_found_fails_clearly(tmp_path: Path) -> None:
-    r = cli(["submit", "--run", "nf", "--storage", "runs", "--", "no-such-command-xyz"],
-            tmp_path)
+    r = cli(["submit", "--run", "nf", "--storage", "runs", "--", "no-such-command-xyz"], tmp_path)
     assert r.returncode == 1 and "cannot run 'no-such-command-xyz'" in r.stderr
 
 
 def test_config_shows_sources(tmp_path: Path) -> None:
-    r = cli(["config", "--json"], tmp_path, env={"PATH": "/usr/bin:/bin",
-                                                 "CKRUN_GRACE_S": "33"})
+    r = cli(["config", "--json"], tmp_path, env={"PATH": "/usr/bin:/bin", "CKRUN_GRACE_S": "33"})
     assert r.returncode == 0, r.stderr
     body = json.loads(r.stdout)
     assert body["grace_s"] == {"value": 33.0, "source": "env:CKRUN_GRACE_S"}
@@ -101,15 +117,30 @@ def test_status_preempt_cancel_of_unknown_run(tmp_path: Path) -> None:
 
 
 def test_preempt_needs_a_live_supervisor(tmp_path: Path) -> None:
-    assert cli(["submit", "--run", "done", "--storage", "runs", "--", "true"],
-               tmp_path).returncode == 0
+    assert (
+        cli(["submit", "--run", "done", "--storage", "runs", "--", "true"], tmp_path).returncode
+        == 0
+    )
     r = cli(["preempt", "done", "--storage", "runs"], tmp_path)
     assert r.returncode == 2 and "no live supervisor" in r.stderr
 
 
 def test_detach_returns_at_once_and_the_run_completes(tmp_path: Path) -> None:
-    r = cli(["submit", "--detach", "--run", "bg", "--storage", "runs", "--", "sh", "-c",
-             "echo detached-output"], tmp_path)
+    r = cli(
+        [
+            "submit",
+            "--detach",
+            "--run",
+            "bg",
+            "--storage",
+            "runs",
+            "--",
+            "sh",
+            "-c",
+            "echo detached-output",
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert "submitted to local as job" in r.stderr
     log = tmp_path / "runs" / "bg" / "supervisor.log"
@@ -117,19 +148,27 @@ def test_detach_returns_at_once_and_the_run_completes(tmp_path: Path) -> None:
 
     end = time.monotonic() + 30
     while time.monotonic() < end and "run completed" not in (
-            log.read_text() if log.exists() else ""):
+        log.read_text() if log.exists() else ""
+    ):
         time.sleep(0.05)
     assert "detached-output" in log.read_text() and "run completed" in log.read_text()
 
 
 def test_submit_options_after_the_script_and_script_args_after_dashdash(tmp_path: Path) -> None:
     # The README's form: ckrun's options anywhere before `--`, the script's after it.
-    r = cli(["submit", "train.py", "--run", "r1", "--dry-run", "--", "--storage", "s",
-             "--steps", "5"], tmp_path)
+    r = cli(
+        ["submit", "train.py", "--run", "r1", "--dry-run", "--", "--storage", "s", "--steps", "5"],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     body = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
     assert body["run"] == "r1" and body["storage"] == str(tmp_path / "ckrun-runs")
     assert body["command"] == [PY, "train.py", "--storage", "s", "--steps", "5"]
     r = cli(["submit", "--dry-run", "--run", "r2", "train.py", "--lr=3", "-n", "2"], tmp_path)
     assert json.loads(r.stdout[: r.stdout.rindex("}") + 1])["command"] == [
-        PY, "train.py", "--lr=3", "-n", "2"]
+        PY,
+        "train.py",
+        "--lr=3",
+        "-n",
+        "2",
+    ]

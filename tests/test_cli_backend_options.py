@@ -10,28 +10,69 @@ import yaml
 
 
 def _ckrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckrun", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ckrun", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_slurm_options(tmp_path: Path) -> None:
-    r = _ckrun("submit", "train.py", "--profile", "slurm", "--partition", "low", "--time",
-               "4:00:00", "--nodes", "2", "--gpus-per-node", "8", "--account", "acct",
-               "--qos", "prio", "--storage", str(tmp_path / "s"), "--dry-run", cwd=tmp_path)
+    r = _ckrun(
+        "submit",
+        "train.py",
+        "--profile",
+        "slurm",
+        "--partition",
+        "low",
+        "--time",
+        "4:00:00",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--account",
+        "acct",
+        "--qos",
+        "prio",
+        "--storage",
+        str(tmp_path / "s"),
+        "--dry-run",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
-    for line in ("#SBATCH --partition=low", "#SBATCH --time=4:00:00", "#SBATCH --nodes=2",
-                 "#SBATCH --account=acct", "#SBATCH --qos=prio"):
+    for line in (
+        "#SBATCH --partition=low",
+        "#SBATCH --time=4:00:00",
+        "#SBATCH --nodes=2",
+        "#SBATCH --account=acct",
+        "#SBATCH --qos=prio",
+    ):
         assert line in r.stdout
     assert "gpus" in r.stdout and "8" in r.stdout
 
 
 def test_k8s_options(tmp_path: Path) -> None:
-    r = _ckrun("submit", "train.py", "--profile", "k8s", "--image", "ghcr.io/me/t:1",
-               "--namespace", "ml", "--gpus", "2", "--storage", "s3://b/runs", "--dry-run",
-               cwd=tmp_path)
+    r = _ckrun(
+        "submit",
+        "train.py",
+        "--profile",
+        "k8s",
+        "--image",
+        "ghcr.io/me/t:1",
+        "--namespace",
+        "ml",
+        "--gpus",
+        "2",
+        "--storage",
+        "s3://b/runs",
+        "--dry-run",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
-    job = next(d for d in yaml.safe_load_all(r.stdout[r.stdout.index("apiVersion"):])
-               if d and d.get("kind") == "Job")
+    job = next(
+        d
+        for d in yaml.safe_load_all(r.stdout[r.stdout.index("apiVersion") :])
+        if d and d.get("kind") == "Job"
+    )
     assert job["metadata"]["namespace"] == "ml"
     c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["image"] == "ghcr.io/me/t:1"
@@ -47,12 +88,30 @@ def test_option_of_another_backend_is_refused(tmp_path: Path) -> None:
 def test_submit_time_values_travel_to_the_job(tmp_path: Path) -> None:
     """A pod has no run.json: the values given at submit reach its `ckrun run` as env,
     the profile as --profile."""
-    r = _ckrun("submit", "train.py", "--profile", "k8s", "--image", "i:1", "--storage",
-               "s3://b/runs", "--max-requeues", "7", "--set", "endpoint_url=http://minio:9000",
-               "--allow-change", "config.lr", "--dry-run", cwd=tmp_path)
+    r = _ckrun(
+        "submit",
+        "train.py",
+        "--profile",
+        "k8s",
+        "--image",
+        "i:1",
+        "--storage",
+        "s3://b/runs",
+        "--max-requeues",
+        "7",
+        "--set",
+        "endpoint_url=http://minio:9000",
+        "--allow-change",
+        "config.lr",
+        "--dry-run",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
-    job = next(d for d in yaml.safe_load_all(r.stdout[r.stdout.index("apiVersion"):])
-               if d and d.get("kind") == "Job")
+    job = next(
+        d
+        for d in yaml.safe_load_all(r.stdout[r.stdout.index("apiVersion") :])
+        if d and d.get("kind") == "Job"
+    )
     c = job["spec"]["template"]["spec"]["containers"][0]
     cmd = c["command"]
     assert cmd[cmd.index("--profile") + 1] == "k8s"

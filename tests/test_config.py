@@ -59,8 +59,7 @@ def test_bad_values_and_unknown_profile() -> None:
 
 
 def test_notice_sources_and_cloud_keys() -> None:
-    cfg = resolve("local", {"notice_sources": "aws,gcp"},
-                  {"CKRUN_AWS_POLL_INTERVAL_S": "6"})
+    cfg = resolve("local", {"notice_sources": "aws,gcp"}, {"CKRUN_AWS_POLL_INTERVAL_S": "6"})
     assert cfg.notice_sources == ("aws", "gcp")
     assert cfg.cloud == {"aws_poll_interval_s": 6.0}
 
@@ -81,9 +80,13 @@ def test_launch_hash_ignores_interpreter_path_but_not_args() -> None:
 
 
 def test_run_json_round_trip(tmp_path: object) -> None:
-    cfg = resolve("local", {"storage": str(tmp_path), "grace_s": "12",
-                            "allow_change": "config.lr"}, {}, run="r1",
-                  command=("python", "t.py"))
+    cfg = resolve(
+        "local",
+        {"storage": str(tmp_path), "grace_s": "12", "allow_change": "config.lr"},
+        {},
+        run="r1",
+        command=("python", "t.py"),
+    )
     rd = RunDir(cfg.state_root)
     rd.freeze(cfg)
     back = rd.load_config()
@@ -96,6 +99,5 @@ def test_remote_storage_needs_a_state_dir() -> None:
     cfg = resolve("local", {"storage": "s3://bucket/prefix"}, {}, run="r")
     with pytest.raises(ConfigError, match="state_dir"):
         _ = cfg.state_root
-    cfg = resolve("local", {"storage": "s3://bucket/prefix", "state_dir": "/tmp/st"}, {},
-                  run="r")
+    cfg = resolve("local", {"storage": "s3://bucket/prefix", "state_dir": "/tmp/st"}, {}, run="r")
     assert cfg.state_root == "/tmp/st/r" and cfg.run_root == "s3://bucket/prefix/r"

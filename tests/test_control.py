@@ -32,8 +32,7 @@ sys.exit(3)
 
 def _spawn(tmp_path: Path, **env: str) -> subprocess.Popen[str]:
     full = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path / "control"), **env)
-    p = subprocess.Popen([sys.executable, "-c", CHILD], env=full, stdout=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen([sys.executable, "-c", CHILD], env=full, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "ready"
     return p
@@ -71,11 +70,14 @@ def test_sigterm_after_escalation_is_fatal(tmp_path: Path) -> None:
 
 
 def test_no_handlers_outside_supervisor() -> None:
-    code = "import ckrun, signal; ckrun.preemption_requested(); " \
-           "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    code = (
+        "import ckrun, signal; ckrun.preemption_requested(); "
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "CKRUN_CONTROL_DIR"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "True"
 
 

@@ -94,8 +94,9 @@ class AsyncSaveHandle(SaveHandle):
         nbytes: tensor bytes snapshotted.
     """
 
-    def __init__(self, future: Future[Manifest], step: int, stall_s: float, nbytes: int,
-                 started: float) -> None:
+    def __init__(
+        self, future: Future[Manifest], step: int, stall_s: float, nbytes: int, started: float
+    ) -> None:
         super().__init__(future)
         self.step, self.stall_s, self.nbytes, self.started = step, stall_s, nbytes, started
         self.observed = False
@@ -120,8 +121,9 @@ class AsyncSaver:
             nice = env_int("CKRUN_PERSIST_NICE", PERSIST_NICE)
         self._ckpt = ckpt
         self.buffers = HostBuffers()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckrun-persist",
-                                        initializer=lower_priority, initargs=(nice,))
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="ckrun-persist", initializer=lower_priority, initargs=(nice,)
+        )
         self._inflight: AsyncSaveHandle | None = None
         self._lock = threading.Lock()
         self.last_stall_s: float | None = None
@@ -132,8 +134,9 @@ class AsyncSaver:
 
     # -- the save -------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any],
-             metrics: Mapping[str, Any] | None) -> SaveHandle:
+    def save(
+        self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None
+    ) -> SaveHandle:
         """Snapshot now, persist in the background; see ``Checkpointer.async_save``.
 
         Returns:
@@ -159,18 +162,32 @@ class AsyncSaver:
             snap = self.buffers.stage(ck.snapshot(state))
             meta = copy.deepcopy(dict(metrics or {}))
             stall = time.monotonic() - started
-            fut = self._pool.submit(self._persist, step, snap, kind, compat, meta, created,
-                                    started)
+            fut = self._pool.submit(self._persist, step, snap, kind, compat, meta, created, started)
             h = AsyncSaveHandle(fut, step, stall, snap.nbytes, started)
             self._inflight, self.last_stall_s = h, stall
         return h
 
-    def _persist(self, step: int, snap: fmt.Snapshot, kind: str, compat: dict[str, Any],
-                 metrics: dict[str, Any], created: str, started: float) -> Manifest:
+    def _persist(
+        self,
+        step: int,
+        snap: fmt.Snapshot,
+        kind: str,
+        compat: dict[str, Any],
+        metrics: dict[str, Any],
+        created: str,
+        started: float,
+    ) -> Manifest:
         t0 = time.monotonic()
-        m = self._ckpt.persist(step, snap, kind=kind, compat=compat, metrics=metrics,
-                               created_utc=created, started=started,
-                               open_shard=self.buffers.writer_for(self._ckpt.storage))
+        m = self._ckpt.persist(
+            step,
+            snap,
+            kind=kind,
+            compat=compat,
+            metrics=metrics,
+            created_utc=created,
+            started=started,
+            open_shard=self.buffers.writer_for(self._ckpt.storage),
+        )
         self.last_persist_s = time.monotonic() - t0
         self.last_durable_s = time.monotonic() - started
         self._ckpt._retain(m)
@@ -226,27 +243,49 @@ class AsyncSaver:
         try:
             m = self.drain()
         except Exception as e:  # the emergency save below is the state's last chance
-            log.error("the background save of step %d failed (%s); the emergency save of "
-                      "step %d goes ahead", h.step, e, step)
+            log.error(
+                "the background save of step %d failed (%s); the emergency save of "
+                "step %d goes ahead",
+                h.step,
+                e,
+                step,
+            )
             return None
         left = notice.seconds_left()  # after the wait
         if m is None or left >= SAFETY * new:
-            log.info("emergency save of step %d after the in-flight save of step %d "
-                     "(~%.1f s + ~%.1f s, %.1f s before the deadline)", step, h.step, rest,
-                     new, left)
+            log.info(
+                "emergency save of step %d after the in-flight save of step %d "
+                "(~%.1f s + ~%.1f s, %.1f s before the deadline)",
+                step,
+                h.step,
+                rest,
+                new,
+                left,
+            )
             return None
-        log.warning("emergency save of step %d: %.1f s to the deadline after the in-flight "
-                    "save do not allow a new one (~%.1f s); committed the in-flight snapshot "
-                    "of step %d instead (steps %d..%d are lost)", step, left, new, m.step,
-                    m.step + 1, step)
+        log.warning(
+            "emergency save of step %d: %.1f s to the deadline after the in-flight "
+            "save do not allow a new one (~%.1f s); committed the in-flight snapshot "
+            "of step %d instead (steps %d..%d are lost)",
+            step,
+            left,
+            new,
+            m.step,
+            m.step + 1,
+            step,
+        )
         return m
 
     def estimates(self, h: AsyncSaveHandle) -> tuple[float, float]:
         """Seconds left for the in-flight save ``h`` and for a new synchronous save."""
         w = self._ckpt._written
-        rate = (h.nbytes / self.last_persist_s if self.last_persist_s
-                else (w.total_size_bytes / w.save_duration_s if w and w.save_duration_s
-                      else DEFAULT_RATE))
+        rate = (
+            h.nbytes / self.last_persist_s
+            if self.last_persist_s
+            else (
+                w.total_size_bytes / w.save_duration_s if w and w.save_duration_s else DEFAULT_RATE
+            )
+        )
         whole = h.nbytes / max(rate, 1.0)
         rest = max(0.0, whole - (time.monotonic() - h.started - h.stall_s))
         return rest, whole
@@ -260,7 +299,6 @@ class AsyncSaver:
             self.drain()
         finally:
             self._pool.shutdown(wait=True)
-
 
 
 def _at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
@@ -287,8 +325,11 @@ def _drain_at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
         saver.close()
     except BaseException as e:
         log.error("ckrun: the background checkpoint save failed at exit: %s", e)
-        print(f"ckrun: the background checkpoint save failed at exit: {e}", file=sys.stderr,
-              flush=True)
+        print(
+            f"ckrun: the background checkpoint save failed at exit: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def check_step(step: Any) -> None:
@@ -304,5 +345,8 @@ def warn_sync_fallback(world_size: int) -> None:
     """Log once that ``async_save`` saves synchronously on more than one rank."""
     if not _warned:
         _warned.append(True)
-        log.warning("async_save with %d ranks saves synchronously: the distributed commit "
-                    "is a collective, which cannot run on a background thread", world_size)
+        log.warning(
+            "async_save with %d ranks saves synchronously: the distributed commit "
+            "is a collective, which cannot run on a background thread",
+            world_size,
+        )

@@ -118,18 +118,31 @@ class Checkpointer:
         ConfigError: invalid ``keep_last``/``milestone_every`` or storage URL.
     """
 
-    def __init__(self, storage: str | Storage, compat: Mapping[str, Any] | None = None, *,
-                 keep_last: int = 3, milestone_every: int | None = None,
-                 checkpoint_every: int | str | None = None, mtbi_s: float | None = None,
-                 allow_change: Sequence[str] = (), run: str | None = None,
-                 attempt: int | None = None, policy: Mapping[str, str] | None = None,
-                 rng: bool = True, resume_step: int | None = None, lock: bool = True,
-                 seed: int = 0):
+    def __init__(
+        self,
+        storage: str | Storage,
+        compat: Mapping[str, Any] | None = None,
+        *,
+        keep_last: int = 3,
+        milestone_every: int | None = None,
+        checkpoint_every: int | str | None = None,
+        mtbi_s: float | None = None,
+        allow_change: Sequence[str] = (),
+        run: str | None = None,
+        attempt: int | None = None,
+        policy: Mapping[str, str] | None = None,
+        rng: bool = True,
+        resume_step: int | None = None,
+        lock: bool = True,
+        seed: int = 0,
+    ):
         from ckrun.storage import open_storage
 
         if keep_last < 1 or (milestone_every is not None and milestone_every < 1):
-            raise ConfigError(f"keep_last must be >= 1 and milestone_every >= 1 or None "
-                              f"(got {keep_last}, {milestone_every})")
+            raise ConfigError(
+                f"keep_last must be >= 1 and milestone_every >= 1 or None "
+                f"(got {keep_last}, {milestone_every})"
+            )
         self.storage: Storage = open_storage(storage) if isinstance(storage, str) else storage
         self.run = run or os.environ.get("CKRUN_RUN") or _basename(self.storage.url)
         self.attempt = attempt if attempt is not None else env_int("CKRUN_ATTEMPT", 0)
@@ -154,8 +167,11 @@ class Checkpointer:
         self._every, self._mtbi_s = parse_every(checkpoint_every), mtbi_s
         self._async: AsyncSaver | None = None  # issue 7: background persist
         self._auto: AutoInterval | None = None
-        self._lock = (WriterLock(self.storage, run=self.run, attempt=self.attempt)
-                      if lock and self.rank == 0 else None)
+        self._lock = (
+            WriterLock(self.storage, run=self.run, attempt=self.attempt)
+            if lock and self.rank == 0
+            else None
+        )
 
     @classmethod
     def from_env(cls, compat: Mapping[str, Any] | None = None, **kw: Any) -> Checkpointer:
@@ -173,13 +189,16 @@ class Checkpointer:
         url = os.environ.get("CKRUN_STORAGE") or kw.pop("storage", None)
         kw.pop("storage", None)
         if not url:
-            raise ConfigError("CKRUN_STORAGE is not set: run the script under `ckrun run`, "
-                              "or pass storage='path/or/s3-url' to Checkpointer.from_env")
+            raise ConfigError(
+                "CKRUN_STORAGE is not set: run the script under `ckrun run`, "
+                "or pass storage='path/or/s3-url' to Checkpointer.from_env"
+            )
         block = dict(compat or {})
         if os.environ.get("CKRUN_CONFIG_HASH"):
             block.setdefault("launch_hash", os.environ["CKRUN_CONFIG_HASH"])
         allow = tuple(kw.pop("allow_change", ())) + parse_allow_change(
-            os.environ.get("CKRUN_ALLOW_CHANGE"))
+            os.environ.get("CKRUN_ALLOW_CHANGE")
+        )
         if os.environ.get("CKRUN_RESUME_STEP"):
             kw.setdefault("resume_step", env_int("CKRUN_RESUME_STEP", -1))
         kw.setdefault("run", os.environ.get("CKRUN_RUN") or None)
@@ -193,14 +212,19 @@ class Checkpointer:
     def compat_block(self, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The compat block of this run: automatic fields overridden by the user's."""
         if state is not None:
-            auto = {"optimizer": _class_names(state, torch.optim.Optimizer),
-                    "scheduler": _class_names(state, torch.optim.lr_scheduler.LRScheduler)}
+            auto = {
+                "optimizer": _class_names(state, torch.optim.Optimizer),
+                "scheduler": _class_names(state, torch.optim.lr_scheduler.LRScheduler),
+            }
             self._state_compat = {k: v for k, v in auto.items() if v is not None}
         from ckrun import __version__
 
-        block: dict[str, Any] = {"world_size": self.world_size, "torch_version": torch.__version__,
-                                 "ckrun_version": __version__,
-                                 "python_version": platform.python_version()}
+        block: dict[str, Any] = {
+            "world_size": self.world_size,
+            "torch_version": torch.__version__,
+            "ckrun_version": __version__,
+            "python_version": platform.python_version(),
+        }
         block.update(git_state())
         block.update(distributed.compat_fields(self.world_size))
         block.update(self._state_compat)
@@ -216,7 +240,10 @@ class Checkpointer:
                 f"checkpoint step {m.step} in {self.storage.url} belongs to a different "
                 "experiment:\n  " + "\n  ".join(cmp.refuse) + "\nrestore the original "
                 "settings, allow the change (allow_change=(FIELD,) or --allow-change FIELD) "
-                "or start a new run directory", diff=cmp.refuse, step=m.step)
+                "or start a new run directory",
+                diff=cmp.refuse,
+                step=m.step,
+            )
         for w in cmp.warn:
             log.warning("checkpoint step %d differs (recorded): %s", m.step, w)
         return cmp.drift
@@ -251,30 +278,35 @@ class Checkpointer:
                 self.skipped.append(msg)
                 continue
             if m.world_size != self.world_size:
-                distributed.restore_resharded(state, tree, m, rank=self.rank,
-                                              world_size=self.world_size, seed=self.seed)
+                distributed.restore_resharded(
+                    state, tree, m, rank=self.rank, world_size=self.world_size, seed=self.seed
+                )
             else:
                 restore(state, tree, where=f"checkpoint step {m.step}")
             self.resumed_from, self._drift = m.step, drift
             self._verified.add(m.key)
             if self.resume_step is not None and self.resume_step != m.step:
-                log.warning("resumed step %d, the supervisor expected %d", m.step,
-                            self.resume_step)
+                log.warning("resumed step %d, the supervisor expected %d", m.step, self.resume_step)
             return m
         return None
 
     def _read(self, m: Manifest) -> Any:
         if m.world_size != self.world_size and not distributed.reshards(m):
-            raise CheckpointError(f"checkpoint step {m.step} has {m.world_size} shards in a "
-                                  "format that does not reshard; resume it on "
-                                  f"{m.world_size} ranks")
+            raise CheckpointError(
+                f"checkpoint step {m.step} has {m.world_size} shards in a "
+                "format that does not reshard; resume it on "
+                f"{m.world_size} ranks"
+            )
         src = distributed.source_rank(m, self.rank, self.world_size)
         s = next(s for s in m.shards if s.rank == src)
         info = self.storage.head(s.key)
         if info is None or info.size_bytes != s.size_bytes:
             got = "missing" if info is None else f"{info.size_bytes} bytes"
-            raise CorruptCheckpoint(f"{s.key}: {got}, manifest says {s.size_bytes} bytes "
-                                    "(truncated)", key=s.key, step=m.step)
+            raise CorruptCheckpoint(
+                f"{s.key}: {got}, manifest says {s.size_bytes} bytes (truncated)",
+                key=s.key,
+                step=m.step,
+            )
         with self.storage.open_read(s.key) as f:
             _advise_sequential(f)
             return fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
@@ -292,8 +324,13 @@ class Checkpointer:
                     continue
                 self._verified.add(m.key)
             allow = self.allow_change + distributed.allowed_changes(m, self.world_size)
-            cmp = compare(current, m.compat, allow_change=allow, policy=self.policy,
-                          only_current=not self._state_compat)  # no state seen: partial block
+            cmp = compare(
+                current,
+                m.compat,
+                allow_change=allow,
+                policy=self.policy,
+                only_current=not self._state_compat,
+            )  # no state seen: partial block
             return None if cmp.refuse else m
         return None
 
@@ -307,8 +344,9 @@ class Checkpointer:
         """
         return fmt.snapshot(capture(state, rng=self.rng), copy=copy)
 
-    def save(self, step: int, state: Mapping[str, Any], *,
-             metrics: Mapping[str, Any] | None = None) -> Manifest:
+    def save(
+        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
+    ) -> Manifest:
         """Save ``state`` as ``step``; returns once the manifest is durable.
 
         Raises:
@@ -321,8 +359,9 @@ class Checkpointer:
         milestone = bool(self.milestone_every and step % self.milestone_every == 0)
         return self._save(step, state, "milestone" if milestone else "recovery", metrics)
 
-    def finalize(self, step: int, state: Mapping[str, Any], *,
-                 metrics: Mapping[str, Any] | None = None) -> Manifest:
+    def finalize(
+        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
+    ) -> Manifest:
         """Write the final artifact (``final/``) and then ``COMPLETE.json``.
 
         Raises:
@@ -334,8 +373,9 @@ class Checkpointer:
         self._complete = True
         return m
 
-    def _save(self, step: int, state: Mapping[str, Any], kind: str,
-              metrics: Mapping[str, Any] | None) -> Manifest:
+    def _save(
+        self, step: int, state: Mapping[str, Any], kind: str, metrics: Mapping[str, Any] | None
+    ) -> Manifest:
         started, created = time.monotonic(), utc_now()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
@@ -352,66 +392,109 @@ class Checkpointer:
             return last
         compat = self.compat_block(state)
         snap = self.snapshot(state)
-        m = self.persist(step, snap, kind=kind, compat=compat, metrics=metrics,
-                         created_utc=created, started=started)
+        m = self.persist(
+            step,
+            snap,
+            kind=kind,
+            compat=compat,
+            metrics=metrics,
+            created_utc=created,
+            started=started,
+        )
         self._retain(m)
         return m
 
-    def persist(self, step: int, snap: fmt.Snapshot, *, kind: str, compat: dict[str, Any],
-                metrics: Mapping[str, Any] | None, created_utc: str,
-                started: float,
-                open_shard: Callable[[str], ObjectWriter] | None = None) -> Manifest:
+    def persist(
+        self,
+        step: int,
+        snap: fmt.Snapshot,
+        *,
+        kind: str,
+        compat: dict[str, Any],
+        metrics: Mapping[str, Any] | None,
+        created_utc: str,
+        started: float,
+        open_shard: Callable[[str], ObjectWriter] | None = None,
+    ) -> Manifest:
         """Steps 2-4 of a save: write the shard, check its size, commit the manifest.
 
         ``open_shard`` opens the shard's writer (default ``storage.open_write``; async
         saves pass a zero-copy writer over their host buffers, :mod:`.arena`).
         """
+
         def make(shards: tuple[ShardInfo, ...], mkey: str) -> Manifest:
-            return self._manifest(step, kind, shards, compat, metrics, created_utc, started,
-                                  mkey)
+            return self._manifest(step, kind, shards, compat, metrics, created_utc, started, mkey)
 
         if self.world_size > 1:  # collective: every rank's shard, rank 0 commits
             distributed.refuse_sharded_tensors(snap)
             m = distributed.persist(self, step, snap, kind=kind, make_manifest=make)
             self._verified.add(m.key)
             self._written = m
-            log.info("committed step %d (%s, %d ranks, %d bytes, %.3f s)", step, kind,
-                     m.world_size, m.total_size_bytes, m.save_duration_s)
+            log.info(
+                "committed step %d (%s, %d ranks, %d bytes, %.3f s)",
+                step,
+                kind,
+                m.world_size,
+                m.total_size_bytes,
+                m.save_duration_s,
+            )
             return m
         area: layout.Area = "final" if kind == "final" else "checkpoints"
         key = layout.shard_key(step, self.rank, self.attempt, area)
         size, checksum = fmt.write_object((open_shard or self.storage.open_write)(key), snap)
         info = self.storage.head(key)
         if info is None or info.size_bytes != size:
-            raise StorageError(f"{key}: committed shard reads back as {info}, expected "
-                               f"{size} bytes; the storage lost the write")
+            raise StorageError(
+                f"{key}: committed shard reads back as {info}, expected "
+                f"{size} bytes; the storage lost the write"
+            )
         m = make((ShardInfo(key, self.rank, size, checksum),), layout.manifest_key(step, area))
         mkey = m.key
         m = commit_manifest(self.storage, m)  # conditional create: one commit per step
         self._verified.add(mkey)
         self._written = m
-        log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size,
-                 m.save_duration_s)
+        log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size, m.save_duration_s)
         return m
 
-    def _manifest(self, step: int, kind: str, shards: tuple[ShardInfo, ...],
-                  compat: dict[str, Any], metrics: Mapping[str, Any] | None,
-                  created_utc: str, started: float, mkey: str) -> Manifest:
+    def _manifest(
+        self,
+        step: int,
+        kind: str,
+        shards: tuple[ShardInfo, ...],
+        compat: dict[str, Any],
+        metrics: Mapping[str, Any] | None,
+        created_utc: str,
+        started: float,
+        mkey: str,
+    ) -> Manifest:
         """The manifest committing ``shards`` (built just before it is written)."""
         return Manifest(
-            run=self.run, step=step, kind=kind, attempt=self.attempt,
-            world_size=len(shards), shards=shards,
-            compat=compat, metrics=normalize(dict(metrics or {}), "metrics", lenient=True),
-            resumed_from=self.resumed_from, created_utc=created_utc, committed_utc=utc_now(),
+            run=self.run,
+            step=step,
+            kind=kind,
+            attempt=self.attempt,
+            world_size=len(shards),
+            shards=shards,
+            compat=compat,
+            metrics=normalize(dict(metrics or {}), "metrics", lenient=True),
+            resumed_from=self.resumed_from,
+            created_utc=created_utc,
+            committed_utc=utc_now(),
             save_duration_s=round(time.monotonic() - started, 6),
-            versions={"ckrun": str(compat.get("ckrun_version")), "torch": torch.__version__,
-                      "python": platform.python_version()},
-            compat_drift=tuple(self._drift), key=mkey)
+            versions={
+                "ckrun": str(compat.get("ckrun_version")),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            compat_drift=tuple(self._drift),
+            key=mkey,
+        )
 
     # -- async saves and the checkpoint interval (issue 7) ------------------------------
 
-    def async_save(self, step: int, state: Mapping[str, Any], *,
-                   metrics: Mapping[str, Any] | None = None) -> SaveHandle:
+    def async_save(
+        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
+    ) -> SaveHandle:
         """Snapshot ``state`` into reused host buffers; persist and commit in the background.
 
         Returns once the snapshot is copied (training may change ``state`` right away);
@@ -475,9 +558,14 @@ class Checkpointer:
             sc = scan(self.storage)
             broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
             protect = {m.step} | ({self.resumed_from} if self.resumed_from is not None else set())
-            plan = retention.plan(self.storage, sc.manifests, keep_last=self.keep_last,
-                                  milestone_every=self.milestone_every, protect=protect,
-                                  broken_steps=broken)
+            plan = retention.plan(
+                self.storage,
+                sc.manifests,
+                keep_last=self.keep_last,
+                milestone_every=self.milestone_every,
+                protect=protect,
+                broken_steps=broken,
+            )
             retention.apply(self.storage, plan)
             self._verified -= set(plan.manifests)
         except StorageError as e:  # the checkpoint is committed; retention retries next time
@@ -488,9 +576,11 @@ class Checkpointer:
             marker, _ = completion(self.storage)
             self._complete = marker is not None
         if self._complete:
-            raise RunComplete(f"run {self.run!r} in {self.storage.url} is complete "
-                              f"({layout.COMPLETE} exists): nothing more is saved; start a "
-                              "new run directory to train further")
+            raise RunComplete(
+                f"run {self.run!r} in {self.storage.url} is complete "
+                f"({layout.COMPLETE} exists): nothing more is saved; start a "
+                "new run directory to train further"
+            )
 
     def _acquire(self) -> None:
         if self._lock is not None:

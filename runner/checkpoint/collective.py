@@ -67,8 +67,10 @@ POLICY = "replicated"
 #: Policies whose checkpoints load on another world size.
 RESHARDING_POLICIES = frozenset({POLICY})
 #: What happens to rank-local state when the world size changes (see module docstring).
-RANK_LOCAL_POLICY = {"data": "rederive:global_samples=position*world_size",
-                     "rng": "reseed:sha256(seed:step:rank)"}
+RANK_LOCAL_POLICY = {
+    "data": "rederive:global_samples=position*world_size",
+    "rng": "reseed:sha256(seed:step:rank)",
+}
 #: Seconds a collective of the checkpoint group waits for a rank (default 30 min); the
 #: supervisor's grace deadline normally ends a hung save much earlier.
 TIMEOUT_ENV = "CKRUN_COLLECTIVE_TIMEOUT_S"
@@ -146,7 +148,8 @@ class Group:
                 raise ConfigError(
                     f"rank {self.rank} of {self.world_size}: torch.distributed is not "
                     "initialised; call torch.distributed.init_process_group() before the "
-                    "Checkpointer's load/save")
+                    "Checkpointer's load/save"
+                )
             secs = float(os.environ.get(TIMEOUT_ENV, "1800"))
             self._pg = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=secs))
         return self._pg
@@ -196,8 +199,14 @@ def _write_own(ck: Checkpointer, step: int, snap: fmt.Snapshot, area: layout.Are
     return _Report(key, size, checksum, None)
 
 
-def persist(ck: Checkpointer, step: int, snap: fmt.Snapshot, *, kind: str,
-            make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest]) -> Manifest:
+def persist(
+    ck: Checkpointer,
+    step: int,
+    snap: fmt.Snapshot,
+    *,
+    kind: str,
+    make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
+) -> Manifest:
     """Steps 2-4 of a collective save (module docstring); every rank calls it.
 
     Args:
@@ -229,27 +238,44 @@ def persist(ck: Checkpointer, step: int, snap: fmt.Snapshot, *, kind: str,
         raise own_error
     status, body, mkey = outcome
     if status != "ok":
-        raise CheckpointError(f"collective save of step {step} failed, nothing committed "
-                              f"(the previous checkpoint is intact): {body!s}")
+        raise CheckpointError(
+            f"collective save of step {step} failed, nothing committed "
+            f"(the previous checkpoint is intact): {body!s}"
+        )
     if not isinstance(body, bytes):
         raise CheckpointError(f"collective save of step {step}: rank 0 sent no manifest")
     return Manifest.loads(body, key=mkey)
 
 
-def _commit(ck: Checkpointer, step: int, area: layout.Area, reports: list[_Report],
-            make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
-            ) -> tuple[str, bytes | str, str]:
+def _commit(
+    ck: Checkpointer,
+    step: int,
+    area: layout.Area,
+    reports: list[_Report],
+    make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
+) -> tuple[str, bytes | str, str]:
     """Rank 0: verify every shard, write the manifest; ``("ok", bytes, key)`` or error."""
     problems = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
-    shards = tuple(ShardInfo(rep.key, r, rep.size_bytes, rep.checksum)
-                   for r, rep in enumerate(reports))
+    shards = tuple(
+        ShardInfo(rep.key, r, rep.size_bytes, rep.checksum) for r, rep in enumerate(reports)
+    )
     mkey = layout.manifest_key(step, area)
     try:
         if not problems:
-            probe = Manifest(run=ck.run, step=step, kind="recovery", attempt=ck.attempt,
-                             world_size=len(shards), shards=shards, compat={}, metrics={},
-                             resumed_from=None, created_utc="", committed_utc="",
-                             save_duration_s=0.0)
+            probe = Manifest(
+                run=ck.run,
+                step=step,
+                kind="recovery",
+                attempt=ck.attempt,
+                world_size=len(shards),
+                shards=shards,
+                compat={},
+                metrics={},
+                resumed_from=None,
+                created_utc="",
+                committed_utc="",
+                save_duration_s=0.0,
+            )
             problems = head_problems(ck.storage, probe)
         if problems:
             return "error", "; ".join(problems), mkey
@@ -264,8 +290,15 @@ def source_rank(m: Manifest, rank: int, world_size: int) -> int:
     return rank if m.world_size == world_size else 0
 
 
-def restore_resharded(state: MutableMapping[str, Any], tree: Mapping[str, Any], m: Manifest,
-                      *, rank: int, world_size: int, seed: int) -> None:
+def restore_resharded(
+    state: MutableMapping[str, Any],
+    tree: Mapping[str, Any],
+    m: Manifest,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+) -> None:
     """Restore rank 0's shard of ``m`` (world size W) into this rank of ``world_size``.
 
     The sampler positions are re-derived and the RNG reseeded (module docstring).
@@ -276,9 +309,16 @@ def restore_resharded(state: MutableMapping[str, Any], tree: Mapping[str, Any], 
     user = _rederive(tree.get("user"), world_size, rank)
     restore(state, {**tree, "user": user, "rng": None}, where=f"checkpoint step {m.step}")
     reseed(seed, m.step, rank)
-    log.warning("checkpoint step %d was written by %d ranks, this job has %d: rank %d took "
-                "rank 0's replicated state, re-derived data positions and reseeded RNG "
-                "(policy %s)", m.step, m.world_size, world_size, rank, RANK_LOCAL_POLICY)
+    log.warning(
+        "checkpoint step %d was written by %d ranks, this job has %d: rank %d took "
+        "rank 0's replicated state, re-derived data positions and reseeded RNG "
+        "(policy %s)",
+        m.step,
+        m.world_size,
+        world_size,
+        rank,
+        RANK_LOCAL_POLICY,
+    )
 
 
 def _rederive(v: Any, world: int, rank: int) -> Any:
@@ -299,8 +339,7 @@ def rederive_sampler(sd: Mapping[str, Any], world: int, rank: int) -> dict[str, 
     """
     consumed = int(sd["position"]) * int(sd["num_replicas"])
     per_rank = -(-int(sd["n"]) // world)
-    return {**sd, "num_replicas": world, "rank": rank,
-            "position": min(consumed // world, per_rank)}
+    return {**sd, "num_replicas": world, "rank": rank, "position": min(consumed // world, per_rank)}
 
 
 def reseed(seed: int, step: int, rank: int) -> int:
@@ -334,4 +373,5 @@ def refuse_sharded_tensors(snap: fmt.Snapshot) -> None:
             "the state holds DTensor (FSDP2 / tensor-parallel) shards, which ckrun's "
             "replicated format cannot reshard; pass full state dicts "
             "(torch.distributed.checkpoint.state_dict.get_state_dict(..., "
-            "options=StateDictOptions(full_state_dict=True))) or use DDP")
+            "options=StateDictOptions(full_state_dict=True))) or use DDP"
+        )

@@ -49,8 +49,10 @@ def _existing(storage: Storage, key: str) -> tuple[Manifest | None, list[str]]:
     problems = verify_manifest(storage, m)
     transient = [p for p in problems if any(w in p for w in _TRANSIENT)]
     if transient:  # never delete a manifest we could not read: it may be good
-        raise CheckpointError(f"{key} exists and cannot be checked ({'; '.join(transient)}); "
-                              "retry the save once the storage is reachable")
+        raise CheckpointError(
+            f"{key} exists and cannot be checked ({'; '.join(transient)}); "
+            "retry the save once the storage is reachable"
+        )
     return m, problems
 
 
@@ -86,20 +88,31 @@ def commit_manifest(storage: Storage, m: Manifest) -> Manifest:
         if not problems:
             assert old is not None
             if _same_contents(old, m):
-                log.info("step %d already committed with identical shards (attempt %d): "
-                         "keeping that manifest", m.step, old.attempt)
+                log.info(
+                    "step %d already committed with identical shards (attempt %d): "
+                    "keeping that manifest",
+                    m.step,
+                    old.attempt,
+                )
                 return old
             raise StepAlreadyCommitted(
                 f"{m.key}: step {m.step} was already committed by attempt {old.attempt} "
                 f"at {old.committed_utc} with other contents, and that checkpoint verifies; "
                 "it is not overwritten (two writers of one run?). Make sure a single "
                 "process writes this run, or save under a new step or run directory",
-                existing=old)
+                existing=old,
+            )
         if retry:
             break
-        log.warning("%s exists but is corrupt (%s): deleting it and committing step %d again",
-                    m.key, "; ".join(problems), m.step)
+        log.warning(
+            "%s exists but is corrupt (%s): deleting it and committing step %d again",
+            m.key,
+            "; ".join(problems),
+            m.step,
+        )
         storage.delete([m.key])
-    raise CheckpointError(f"{m.key}: the manifest of step {m.step} could not be created: a "
-                          "corrupt one reappeared after it was deleted (another writer of "
-                          "this run?)")
+    raise CheckpointError(
+        f"{m.key}: the manifest of step {m.step} could not be created: a "
+        "corrupt one reappeared after it was deleted (another writer of "
+        "this run?)"
+    )

@@ -207,13 +207,21 @@ def git_state(cwd: str | None = None) -> dict[str, Any]:
         return dict(_git_cache[d])
     out: dict[str, Any] = {}
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=d, capture_output=True,
-                             text=True, timeout=10)
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=d, capture_output=True, text=True, timeout=10
+        )
         if sha.returncode == 0:
-            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                cwd=d, capture_output=True, text=True, timeout=10)
-            out = {"code_commit": sha.stdout.strip(),
-                   "code_dirty": bool(st.stdout.strip()) if st.returncode == 0 else True}
+            st = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=d,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            out = {
+                "code_commit": sha.stdout.strip(),
+                "code_dirty": bool(st.stdout.strip()) if st.returncode == 0 else True,
+            }
     except (OSError, subprocess.SubprocessError):
         out = {}
     _git_cache[d] = out

@@ -54,8 +54,9 @@ def scan(storage: Storage) -> Scan:
                 m = Manifest.loads(storage.get(info.key), key=info.key)
                 if m.step != p.step or m.area != p.area:
                     raise CorruptCheckpoint(
-                        f"{info.key}: holds step {m.step} kind {m.kind}, not its own "
-                        "directory's", key=info.key)
+                        f"{info.key}: holds step {m.step} kind {m.kind}, not its own directory's",
+                        key=info.key,
+                    )
             except (CorruptCheckpoint, ObjectNotFound) as e:
                 log.warning("skipping checkpoint manifest %s: %s", info.key, e)
                 out.problems.append((info.key, str(e)))
@@ -92,8 +93,10 @@ def completion(storage: Storage) -> tuple[CompletionMarker | None, str | None]:
         info = storage.head(a.key)
         if info is None or info.size_bytes != a.size_bytes:
             got = "missing" if info is None else f"{info.size_bytes} bytes"
-            return None, (f"{layout.COMPLETE}: final artifact {a.key} is {got}, marker says "
-                          f"{a.size_bytes} bytes")
+            return None, (
+                f"{layout.COMPLETE}: final artifact {a.key} is {got}, marker says "
+                f"{a.size_bytes} bytes"
+            )
     return marker, None
 
 
@@ -153,8 +156,13 @@ def preflight(
         if parsed is None or parsed.step > floor:
             res.skipped.append(f"{key}: {p}")
     if res.resume is not None:
-        cmp = compare(normalize(dict(expected)), res.resume.compat, allow_change=allow_change,
-                      policy=policy, only_current=True)
+        cmp = compare(
+            normalize(dict(expected)),
+            res.resume.compat,
+            allow_change=allow_change,
+            policy=policy,
+            only_current=True,
+        )
         res.diff = cmp.refuse
         res.warnings.extend(cmp.warn)
     return res

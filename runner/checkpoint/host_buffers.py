@@ -79,8 +79,9 @@ class HostBuffers:
         self._pinned = pinned
         self.allocations += 1
 
-    def _layout(self, snap: fmt.Snapshot, table: list[dict[str, Any]], data_bytes: int,
-                pinned: bool) -> None:
+    def _layout(
+        self, snap: fmt.Snapshot, table: list[dict[str, Any]], data_bytes: int, pinned: bool
+    ) -> None:
         size = max(_round(data_bytes), BLOCK)
         if self._arena is None or self.nbytes < size or (pinned and not self._pinned):
             self._allocate(size, pinned)
@@ -90,7 +91,7 @@ class HostBuffers:
         assert arena is not None
         self._views = []
         for t, e in zip(snap.tensors, table, strict=True):
-            raw = arena[e["offset"]:e["offset"] + e["nbytes"]]
+            raw = arena[e["offset"] : e["offset"] + e["nbytes"]]
             if isinstance(t, torch.Tensor):
                 self._views.append(raw.view(t.dtype).view(t.shape))
             else:
@@ -102,8 +103,9 @@ class HostBuffers:
         Returns once every copy is complete (device copies synchronised).
         """
         table, data_bytes = fmt._table(snap)
-        devices = {t.device for t in snap.tensors
-                   if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+        devices = {
+            t.device for t in snap.tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"
+        }
         pinned = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
         sig = tuple((str(getattr(t, "dtype", "")), tuple(t.shape)) for t in snap.tensors)
         if sig != self._sig or (pinned and not self._pinned):
@@ -125,8 +127,12 @@ class HostBuffers:
         does not apply: not a plain local ``O_DIRECT`` storage (a subclass that overrides
         ``open_write`` keeps its own writer), or an unaligned arena."""
         arena = self._arena
-        if (type(storage) is not LocalStorage or not storage.direct or arena is None
-                or arena.data_ptr() % BLOCK):
+        if (
+            type(storage) is not LocalStorage
+            or not storage.direct
+            or arena is None
+            or arena.data_ptr() % BLOCK
+        ):
             return None
         base, length = int(arena.data_ptr()), int(arena.numel())
 
@@ -207,8 +213,10 @@ class ArenaWriter(LocalWriter):
                 return n
             rel = self.bytes_written - self._data_off
             if rel + n > self._len:
-                raise CheckpointError(f"{self.key}: shard data exceeds the host buffers "
-                                      f"({rel + n} > {self._len} bytes)")
+                raise CheckpointError(
+                    f"{self.key}: shard data exceeds the host buffers "
+                    f"({rel + n} > {self._len} bytes)"
+                )
             src = _address(mv)
             if n and src != self._base + rel:  # not in place: copy it into the arena
                 ctypes.memmove(self._base + rel, src if src is not None else mv.tobytes(), n)
@@ -220,12 +228,14 @@ class ArenaWriter(LocalWriter):
 
     def _header(self, mv: memoryview) -> None:
         if len(mv) % BLOCK:
-            raise CheckpointError(f"{self.key}: the shard header block is {len(mv)} bytes, "
-                                  "not a multiple of 4096 (format changed?)")
+            raise CheckpointError(
+                f"{self.key}: the shard header block is {len(mv)} bytes, "
+                "not a multiple of 4096 (format changed?)"
+            )
         self._data_off = len(mv)
         self._head = mmap.mmap(-1, max(len(mv), BLOCK))
         self._head.write(mv)
-        self._submit(memoryview(self._head)[:len(mv)], 0)
+        self._submit(memoryview(self._head)[: len(mv)], 0)
         self.bytes_written = len(mv)
 
     def _flush(self, final: bool) -> None:

@@ -97,8 +97,9 @@ def daly_interval(save_cost_s: float, mtbi_s: float) -> float:
     return math.sqrt(2.0 * d * m) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - d
 
 
-def expected_goodput(interval_s: float, save_cost_s: float, mtbi_s: float,
-                     restart_s: float = 0.0) -> float:
+def expected_goodput(
+    interval_s: float, save_cost_s: float, mtbi_s: float, restart_s: float = 0.0
+) -> float:
     """Expected fraction of wall time that becomes kept progress (Daly 2006, eq. 20).
 
     Wall time per ``interval_s`` of work: ``M e^{R/M} (e^{(T+δ)/M} − 1)`` for Poisson
@@ -118,8 +119,9 @@ def expected_goodput(interval_s: float, save_cost_s: float, mtbi_s: float,
     """
     _check(save_cost_s, mtbi_s)
     if interval_s <= 0 or restart_s < 0:
-        raise ValueError(f"interval_s must be > 0 and restart_s >= 0 (got {interval_s}, "
-                         f"{restart_s})")
+        raise ValueError(
+            f"interval_s must be > 0 and restart_s >= 0 (got {interval_s}, {restart_s})"
+        )
     m = mtbi_s
     wall = m * math.exp(restart_s / m) * math.expm1((interval_s + save_cost_s) / m)
     return min(1.0, interval_s / wall)
@@ -169,8 +171,11 @@ def read_history(events_path: str, now: float | None = None) -> History:
             spawn[a] = t
         elif kind == "attempt_end":
             end[a] = t
-            costs += [float(c["save_s"]) for c in ev.get("commits") or []
-                      if isinstance(c, dict) and isinstance(c.get("save_s"), (int, float))]
+            costs += [
+                float(c["save_s"])
+                for c in ev.get("commits") or []
+                if isinstance(c, dict) and isinstance(c.get("save_s"), (int, float))
+            ]
         elif kind in INTERRUPTION_KINDS:
             hit.add(a)
     stop = utcnow().timestamp() if now is None else now
@@ -203,17 +208,23 @@ class IntervalEstimate:
     def describe(self) -> str:
         """One line for ``ckrun status``."""
         if self.save_cost_s is None:
-            return (f"checkpoint interval (auto): {_dur(self.interval_s)} until a save cost "
-                    f"is measured (MTBI {_dur(self.mtbi_s)}, {self.mtbi_source})")
+            return (
+                f"checkpoint interval (auto): {_dur(self.interval_s)} until a save cost "
+                f"is measured (MTBI {_dur(self.mtbi_s)}, {self.mtbi_source})"
+            )
         gp = f"{100 * self.goodput:.1f} %" if self.goodput is not None else "n/a"
         if self.mtbi_source == "history":
-            src = (f"{self.interruptions} interruptions in {_dur(self.exposure_s)} of history"
-                   f" and a prior of one per {_dur(PRIOR_MTBI_S)}")
+            src = (
+                f"{self.interruptions} interruptions in {_dur(self.exposure_s)} of history"
+                f" and a prior of one per {_dur(PRIOR_MTBI_S)}"
+            )
         else:
             src = {"given": "given", "prior": "prior, no history"}[self.mtbi_source]
-        return (f"checkpoint interval (auto, Young/Daly): {_dur(self.interval_s)} from save "
-                f"cost {self.save_cost_s:.2f} s and MTBI {_dur(self.mtbi_s)} ({src}); "
-                f"expected goodput {gp}")
+        return (
+            f"checkpoint interval (auto, Young/Daly): {_dur(self.interval_s)} from save "
+            f"cost {self.save_cost_s:.2f} s and MTBI {_dur(self.mtbi_s)} ({src}); "
+            f"expected goodput {gp}"
+        )
 
 
 def _dur(s: float) -> str:
@@ -224,9 +235,15 @@ def _dur(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def estimate(save_cost_s: float | None, history: History, *, mtbi_s: float | None = None,
-             min_interval_s: float = MIN_INTERVAL_S, max_interval_s: float = MAX_INTERVAL_S,
-             floor_s: float = 0.0) -> IntervalEstimate:
+def estimate(
+    save_cost_s: float | None,
+    history: History,
+    *,
+    mtbi_s: float | None = None,
+    min_interval_s: float = MIN_INTERVAL_S,
+    max_interval_s: float = MAX_INTERVAL_S,
+    floor_s: float = 0.0,
+) -> IntervalEstimate:
     """The clamped Young/Daly interval for a save cost and a history (see module doc).
 
     Args:
@@ -242,11 +259,17 @@ def estimate(save_cost_s: float | None, history: History, *, mtbi_s: float | Non
         m, src = history.mtbi_s(), "history" if history.exposure_s > 0 else "prior"
     lo = max(min_interval_s, floor_s)
     if save_cost_s is None:
-        return IntervalEstimate(lo, None, m, src, history.interruptions, history.exposure_s,
-                                None)
+        return IntervalEstimate(lo, None, m, src, history.interruptions, history.exposure_s, None)
     t = min(max(young_daly_interval(save_cost_s, m), lo), max(max_interval_s, lo))
-    return IntervalEstimate(t, save_cost_s, m, src, history.interruptions, history.exposure_s,
-                            expected_goodput(t, save_cost_s, m))
+    return IntervalEstimate(
+        t,
+        save_cost_s,
+        m,
+        src,
+        history.interruptions,
+        history.exposure_s,
+        expected_goodput(t, save_cost_s, m),
+    )
 
 
 def from_history(state_root: str, *, mtbi_s: float | None = None) -> IntervalEstimate:
@@ -260,8 +283,7 @@ def from_history(state_root: str, *, mtbi_s: float | None = None) -> IntervalEst
     """
     if mtbi_s is None:
         mtbi_s = env_mtbi()
-    return estimate(None, read_history(os.path.join(state_root, "events.jsonl")),
-                    mtbi_s=mtbi_s)
+    return estimate(None, read_history(os.path.join(state_root, "events.jsonl")), mtbi_s=mtbi_s)
 
 
 def env_mtbi() -> float | None:
@@ -297,11 +319,16 @@ class AutoInterval:
         clock: monotonic clock, seconds (tests inject one).
     """
 
-    def __init__(self, cost: Callable[[], tuple[float | None, float]], *,
-                 events_path: str | None = None, mtbi_s: float | None = None,
-                 min_interval_s: float = MIN_INTERVAL_S,
-                 max_interval_s: float = MAX_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cost: Callable[[], tuple[float | None, float]],
+        *,
+        events_path: str | None = None,
+        mtbi_s: float | None = None,
+        min_interval_s: float = MIN_INTERVAL_S,
+        max_interval_s: float = MAX_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._cost = cost
         self._history = read_history(events_path) if events_path else History(0.0, 0, ())
         self._mtbi = mtbi_s if mtbi_s is not None else env_mtbi()
@@ -312,8 +339,14 @@ class AutoInterval:
     def current(self) -> IntervalEstimate:
         """The estimate with the latest in-process measurements."""
         cost, floor = self._cost()
-        return estimate(cost, self._history, mtbi_s=self._mtbi, min_interval_s=self._bounds[0],
-                        max_interval_s=self._bounds[1], floor_s=floor)
+        return estimate(
+            cost,
+            self._history,
+            mtbi_s=self._mtbi,
+            min_interval_s=self._bounds[0],
+            max_interval_s=self._bounds[1],
+            floor_s=floor,
+        )
 
     def due(self) -> bool:
         """True when the interval (plus the save cost) has elapsed since the last True."""
@@ -335,8 +368,10 @@ def parse_every(value: Any) -> int | str | None:
         return value  # type: ignore[no-any-return]
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    raise ConfigError(f"checkpoint_every={value!r}: use a positive number of steps, "
-                      "\"auto\" (Young/Daly from measured costs) or None")
+    raise ConfigError(
+        f"checkpoint_every={value!r}: use a positive number of steps, "
+        '"auto" (Young/Daly from measured costs) or None'
+    )
 
 
 def events_path_for(storage: Any) -> str | None:
@@ -355,6 +390,7 @@ def events_path_for(storage: Any) -> str | None:
 
 def auto_for(ckpt: Any) -> AutoInterval:
     """The :class:`AutoInterval` of a Checkpointer: in-process costs, the run's history."""
+
     def cost() -> tuple[float | None, float]:
         a, w = ckpt._async, ckpt._written
         if a is not None and a.last_stall_s is not None:
@@ -364,16 +400,19 @@ def auto_for(ckpt: Any) -> AutoInterval:
     return AutoInterval(cost, events_path=events_path_for(ckpt.storage), mtbi_s=ckpt._mtbi_s)
 
 
-def should_save(every: int | str | None, auto: AutoInterval | None, step: int, *,
-                sync: bool = False) -> bool:
+def should_save(
+    every: int | str | None, auto: AutoInterval | None, step: int, *, sync: bool = False
+) -> bool:
     """The decision of ``Checkpointer.should_save`` (see there).
 
     Raises:
         ConfigError: ``every`` is None.
     """
     if every is None:
-        raise ConfigError("should_save() needs Checkpointer(checkpoint_every=N) (steps) or "
-                          "checkpoint_every=\"auto\"")
+        raise ConfigError(
+            "should_save() needs Checkpointer(checkpoint_every=N) (steps) or "
+            'checkpoint_every="auto"'
+        )
     if isinstance(every, int):
         due = step > 0 and step % every == 0
     else:

@@ -61,15 +61,24 @@ class WriterLock:
             self._lock.acquire(timeout=0)
         except Timeout as e:
             holder = self.holder()
-            who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "attempt", "since")
-                            if k in holder) or "holder unknown"
+            who = (
+                ", ".join(
+                    f"{k} {holder[k]}" for k in ("host", "pid", "attempt", "since") if k in holder
+                )
+                or "holder unknown"
+            )
             raise RunLocked(
                 f"run {self._run!r} at {self._storage.url} is being written by another "
                 f"process ({who}); stop that process or use another run directory",
                 holder=holder,
             ) from e
-        body = {"host": socket.gethostname(), "pid": os.getpid(), "attempt": self._attempt,
-                "run": self._run, "since": utc_now()}
+        body = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "attempt": self._attempt,
+            "run": self._run,
+            "since": utc_now(),
+        }
         try:
             self._storage.put(layout.WRITER_HOLDER, json.dumps(body).encode())
         except StorageError:

@@ -53,8 +53,12 @@ class ShardInfo:
     checksum: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "rank": self.rank, "size_bytes": self.size_bytes,
-                "checksum": self.checksum}
+        return {
+            "key": self.key,
+            "rank": self.rank,
+            "size_bytes": self.size_bytes,
+            "checksum": self.checksum,
+        }
 
 
 @dataclass(frozen=True)
@@ -209,8 +213,9 @@ def check_format(obj: dict[str, Any], name: str, version: int, where: str) -> No
         UnsupportedFormat: wrong format name, or a version newer than ``version``.
     """
     if obj.get("format") != name:
-        raise UnsupportedFormat(f"{where}: not a {name} document (format={obj.get('format')!r})",
-                                key=where)
+        raise UnsupportedFormat(
+            f"{where}: not a {name} document (format={obj.get('format')!r})", key=where
+        )
     v = obj.get("format_version")
     if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= version):
         raise UnsupportedFormat(
@@ -224,15 +229,17 @@ def _exact_fields(obj: dict[str, Any], expected: set[str], where: str) -> None:
     missing = sorted(expected - obj.keys())
     extra = sorted(obj.keys() - expected)
     if missing or extra:
-        raise CorruptCheckpoint(f"{where}: missing fields {missing}, unknown fields {extra}",
-                                key=where)
+        raise CorruptCheckpoint(
+            f"{where}: missing fields {missing}, unknown fields {extra}", key=where
+        )
 
 
 def _typed(obj: dict[str, Any], name: str, typ: type, where: str) -> Any:
     v = obj.get(name)
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-        raise CorruptCheckpoint(f"{where}: field {name!r} must be {typ.__name__}, got {v!r:.80}",
-                                key=where)
+        raise CorruptCheckpoint(
+            f"{where}: field {name!r} must be {typ.__name__}, got {v!r:.80}", key=where
+        )
     return v
 
 
@@ -248,7 +255,8 @@ def _shard(s: Any, step: int, area: layout.Area, where: str) -> ShardInfo:
     if not layout.is_under_step(key, step, area):
         raise CorruptCheckpoint(
             f"{where}: shard key {key!r} is not a ckrun shard of {area} step {step}",
-            key=where, step=step,
+            key=where,
+            step=step,
         )
     checksum = _typed(s, "checksum", str, where)
     algo, _, digest = checksum.partition(":")

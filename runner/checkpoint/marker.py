@@ -55,15 +55,27 @@ class CompletionMarker:
     @classmethod
     def for_manifest(cls, m: Manifest) -> CompletionMarker:
         """The marker describing the final manifest ``m``."""
-        return cls(m.run, m.step, len(m.shards), str(m.compat.get("launch_hash") or ""),
-                   "ckrun-shards", m.key, m.shards, utc_now())
+        return cls(
+            m.run,
+            m.step,
+            len(m.shards),
+            str(m.compat.get("launch_hash") or ""),
+            "ckrun-shards",
+            m.key,
+            m.shards,
+            utc_now(),
+        )
 
     def dumps(self) -> bytes:
         """Strict JSON bytes."""
         body = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "run": self.run,
-            "final_step": self.final_step, "shard_count": self.shard_count,
-            "config_hash": self.config_hash, "artifact_kind": self.artifact_kind,
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "run": self.run,
+            "final_step": self.final_step,
+            "shard_count": self.shard_count,
+            "config_hash": self.config_hash,
+            "artifact_kind": self.artifact_kind,
             "manifest_key": self.manifest_key,
             "artifacts": [a.to_json() for a in self.artifacts],
             "committed_utc": self.committed_utc,
@@ -87,23 +99,39 @@ class CompletionMarker:
         if not isinstance(obj, dict):
             raise CorruptCheckpoint(f"{where}: expected a JSON object", key=where)
         check_format(obj, FORMAT, FORMAT_VERSION, where)
-        fields = {"format", "format_version", "run", "final_step", "shard_count",
-                  "config_hash", "artifact_kind", "manifest_key", "artifacts",
-                  "committed_utc"}
+        fields = {
+            "format",
+            "format_version",
+            "run",
+            "final_step",
+            "shard_count",
+            "config_hash",
+            "artifact_kind",
+            "manifest_key",
+            "artifacts",
+            "committed_utc",
+        }
         _exact_fields(obj, fields, where)
         step = _typed(obj, "final_step", int, where)
-        arts = tuple(_shard(a, step, "final", where) for a in _typed(obj, "artifacts", list,
-                                                                     where))
+        arts = tuple(_shard(a, step, "final", where) for a in _typed(obj, "artifacts", list, where))
         count = _typed(obj, "shard_count", int, where)
         mkey = _typed(obj, "manifest_key", str, where)
         if count != len(arts) or count < 1 or mkey != layout.manifest_key(step, "final"):
             raise CorruptCheckpoint(
                 f"{where}: shard_count {count} / manifest_key {mkey!r} do not match the "
-                f"final artifact of step {step}", key=where)
-        return cls(_typed(obj, "run", str, where), step, count,
-                   _typed(obj, "config_hash", str, where),
-                   _typed(obj, "artifact_kind", str, where), mkey, arts,
-                   _typed(obj, "committed_utc", str, where))
+                f"final artifact of step {step}",
+                key=where,
+            )
+        return cls(
+            _typed(obj, "run", str, where),
+            step,
+            count,
+            _typed(obj, "config_hash", str, where),
+            _typed(obj, "artifact_kind", str, where),
+            mkey,
+            arts,
+            _typed(obj, "committed_utc", str, where),
+        )
 
     def to_json(self) -> dict[str, Any]:
         """As a JSON object."""

@@ -81,8 +81,12 @@ def plan(
         broken_steps: steps whose manifest exists but is invalid: left alone entirely.
     """
     rec = {m.step: m for m in committed if m.area == "checkpoints"}
-    drop = select({s: m.kind for s, m in rec.items()}, keep_last=keep_last,
-                  milestone_every=milestone_every, protect=protect)
+    drop = select(
+        {s: m.kind for s, m in rec.items()},
+        keep_last=keep_last,
+        milestone_every=milestone_every,
+        protect=protect,
+    )
     p = Plan()
     live: set[str] = set()
     for step, m in rec.items():
@@ -97,9 +101,15 @@ def plan(
         skip = set(broken_steps)
         for info in storage.list(layout.CHECKPOINTS):
             k = layout.parse(info.key)
-            if (k is not None and not k.is_manifest and k.area == "checkpoints"
-                    and k.step <= newest and k.step not in skip and info.key not in live
-                    and info.key not in p.shards):
+            if (
+                k is not None
+                and not k.is_manifest
+                and k.area == "checkpoints"
+                and k.step <= newest
+                and k.step not in skip
+                and info.key not in live
+                and info.key not in p.shards
+            ):
                 p.shards.append(info.key)
     return p
 
@@ -114,5 +124,6 @@ def apply(storage: Storage, p: Plan) -> None:
     if callable(sweep):
         sweep(layout.CHECKPOINTS)
     if p.manifests or p.shards:
-        log.info("retention removed %d checkpoints and %d shard files",
-                 len(p.manifests), len(p.shards))
+        log.info(
+            "retention removed %d checkpoints and %d shard files", len(p.manifests), len(p.shards)
+        )

@@ -40,8 +40,16 @@ class ResumableSampler(Sampler[int]):
         drop_last: drop the tail instead of padding to a multiple of ``num_replicas``.
     """
 
-    def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int = 1, rank: int = 0, drop_last: bool = False):
+    def __init__(
+        self,
+        data_source: Sized | int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+    ):
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         if self.n < 0 or num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"invalid sampler size {self.n} / rank {rank} of {num_replicas}")
@@ -90,9 +98,15 @@ class ResumableSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """``epoch``, ``position`` and the parameters that define the order."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "n": self.n, "shuffle": self.shuffle, "num_replicas": self.num_replicas,
-                "rank": self.rank}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "n": self.n,
+            "shuffle": self.shuffle,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Resume at ``sd``'s epoch and position.
@@ -103,6 +117,8 @@ class ResumableSampler(Sampler[int]):
         """
         for k in ("seed", "n", "shuffle", "num_replicas", "rank"):
             if sd.get(k) != getattr(self, k):
-                raise ValueError(f"sampler {k} changed ({sd.get(k)!r} → {getattr(self, k)!r}):"
-                                 " the resumed epoch would see different data")
+                raise ValueError(
+                    f"sampler {k} changed ({sd.get(k)!r} → {getattr(self, k)!r}):"
+                    " the resumed epoch would see different data"
+                )
         self.epoch, self.position = int(sd["epoch"]), int(sd["position"])

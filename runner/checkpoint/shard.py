@@ -59,9 +59,22 @@ TAG = "__ckrun__"
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
-        torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-        torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
         torch.float8_e5m2,
     )
 }
@@ -131,8 +144,9 @@ def _encode(v: Any, tensors: list[Any], path: str, copy: bool) -> Any:
     if isinstance(v, torch.Size):
         return _tag("size", v=list(v))
     if isinstance(v, tuple):
-        return _tag("tuple", items=[_encode(x, tensors, f"{path}[{i}]", copy)
-                                    for i, x in enumerate(v)])
+        return _tag(
+            "tuple", items=[_encode(x, tensors, f"{path}[{i}]", copy) for i, x in enumerate(v)]
+        )
     if isinstance(v, (bytes, bytearray)):
         return _tag("bytes", b64=base64.b64encode(bytes(v)).decode())
     if isinstance(v, torch.dtype):
@@ -160,8 +174,10 @@ def _mapping(v: Mapping[Any, Any], tensors: list[Any], path: str, copy: bool) ->
     meta = getattr(v, "_metadata", None)
     if all(isinstance(k, str) for k in v) and TAG not in v and meta is None:
         return {k: _encode(x, tensors, f"{path}.{k}", copy) for k, x in v.items()}
-    items = [[_encode(k, tensors, path, copy), _encode(x, tensors, f"{path}.{k}", copy)]
-             for k, x in v.items()]
+    items = [
+        [_encode(k, tensors, path, copy), _encode(x, tensors, f"{path}.{k}", copy)]
+        for k, x in v.items()
+    ]
     if meta is not None:
         return _tag("odict", items=items, meta=_encode(meta, tensors, path, copy))
     return _tag("dict", items=items)
@@ -215,9 +231,15 @@ def write_shard(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
     """
     table, data_bytes = _table(snap)
     header = json.dumps(
-        {"format": FORMAT, "format_version": FORMAT_VERSION, "tree": snap.tree,
-         "tensors": table, "data_bytes": data_bytes},
-        separators=(",", ":"), allow_nan=False,
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "tree": snap.tree,
+            "tensors": table,
+            "data_bytes": data_bytes,
+        },
+        separators=(",", ":"),
+        allow_nan=False,
     ).encode()
     head = PREFIX.pack(MAGIC, len(header), crc32c.crc32c(header), 0) + header
     data_offset = _align(len(head), DATA_ALIGN)
@@ -242,7 +264,6 @@ def write_shard(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
     return pos, f"crc32c:{crc:08x}"
 
 
-
 def write_object(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
     """:func:`write_shard` into ``w``, then commit it; on any error abort ``w`` (nothing
     is left under the key) and re-raise.
@@ -257,6 +278,7 @@ def write_object(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
         w.abort()
         raise
     return size, checksum
+
 
 def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any:
     """Read and verify one shard: see :func:`ckrun.checkpoint.shard_reader.read_shard`."""

@@ -130,8 +130,9 @@ def _read_segments(f: IO[bytes], segs: list[memoryview], crc: int, key: str) -> 
     for g in groups[:-1]:
         offsets.append(offsets[-1] + sum(len(s) for s in g))
     with ThreadPoolExecutor(len(groups)) as pool:
-        parts = list(pool.map(lambda a: _pread_group(fd, a[0], a[1], key),
-                              zip(groups, offsets, strict=True)))
+        parts = list(
+            pool.map(lambda a: _pread_group(fd, a[0], a[1], key), zip(groups, offsets, strict=True))
+        )
     for part_crc, n in parts:
         crc = crc_combine(crc, part_crc, n)
     f.seek(start + total)
@@ -168,7 +169,9 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
     if data_offset + meta["data_bytes"] != size_bytes:
         raise CorruptCheckpoint(
             f"{key}: header describes {data_offset + meta['data_bytes']} bytes, "
-            f"manifest says {size_bytes}", key=key)
+            f"manifest says {size_bytes}",
+            key=key,
+        )
     segs = [memoryview(bytearray(data_offset - PREFIX.size - hlen))]
     tensors: list[Any] = []
     pos = 0
@@ -187,8 +190,9 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
         raise CorruptCheckpoint(f"{key}: trailing bytes after {size_bytes}", key=key)
     got = f"crc32c:{crc:08x}"
     if got != checksum:
-        raise CorruptCheckpoint(f"{key}: checksum mismatch (manifest {checksum}, file {got})",
-                                key=key)
+        raise CorruptCheckpoint(
+            f"{key}: checksum mismatch (manifest {checksum}, file {got})", key=key
+        )
     return _decode(meta["tree"], tensors, key)
 
 
@@ -203,16 +207,23 @@ def _parse_header(header: bytes, key: str) -> dict[str, Any]:
     if v != FORMAT_VERSION:
         raise UnsupportedFormat(
             f"{key}: unknown shard format_version {v!r} (this ckrun reads {FORMAT_VERSION}); "
-            "upgrade ckrun to read it", key=key)
+            "upgrade ckrun to read it",
+            key=key,
+        )
     tensors, data = meta.get("tensors"), meta.get("data_bytes")
     if not isinstance(tensors, list) or not isinstance(data, int) or data < 0:
         raise CorruptCheckpoint(f"{key}: malformed tensor table", key=key)
     pos = 0
     for ent in tensors:
-        ok = (isinstance(ent, dict) and isinstance(ent.get("offset"), int)
-              and isinstance(ent.get("nbytes"), int) and isinstance(ent.get("shape"), list)
-              and all(isinstance(s, int) and s >= 0 for s in ent["shape"])
-              and ent["offset"] >= pos and ent["nbytes"] >= 0)
+        ok = (
+            isinstance(ent, dict)
+            and isinstance(ent.get("offset"), int)
+            and isinstance(ent.get("nbytes"), int)
+            and isinstance(ent.get("shape"), list)
+            and all(isinstance(s, int) and s >= 0 for s in ent["shape"])
+            and ent["offset"] >= pos
+            and ent["nbytes"] >= 0
+        )
         if not ok:
             raise CorruptCheckpoint(f"{key}: malformed tensor entry {ent!r:.120}", key=key)
         pos = ent["offset"] + ent["nbytes"]
@@ -236,8 +247,7 @@ def _alloc(e: dict[str, Any], key: str) -> HostArray:
     if dtype is None:
         raise CorruptCheckpoint(f"{key}: unknown tensor dtype {e.get('dtype')!r}", key=key)
     if math.prod(shape) * dtype.itemsize != e["nbytes"]:
-        raise CorruptCheckpoint(f"{key}: shape {shape} does not match {e['nbytes']} bytes",
-                                key=key)
+        raise CorruptCheckpoint(f"{key}: shape {shape} does not match {e['nbytes']} bytes", key=key)
     return torch.empty(shape, dtype=dtype)
 
 
@@ -252,8 +262,9 @@ def _decode(v: Any, tensors: list[Any], key: str) -> Any:
     try:
         return _decode_tag(tag, v, tensors, key)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptCheckpoint(f"{key}: malformed {tag!r} entry in the header ({e})",
-                                key=key) from e
+        raise CorruptCheckpoint(
+            f"{key}: malformed {tag!r} entry in the header ({e})", key=key
+        ) from e
 
 
 def _decode_tag(tag: str, v: dict[str, Any], tensors: list[Any], key: str) -> Any:

@@ -48,7 +48,8 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
     """
     if not isinstance(state, Mapping):
         raise CheckpointError(
-            f"state must be a dict of name -> object, got {type(state).__qualname__}")
+            f"state must be a dict of name -> object, got {type(state).__qualname__}"
+        )
     return {
         "version": TREE_VERSION,
         "user": {str(k): _capture_value(v) for k, v in state.items()},
@@ -72,8 +73,9 @@ def restore(state: MutableMapping[str, Any], tree: Mapping[str, Any], *, where: 
         set_rng_state(tree["rng"])
 
 
-def _restore_into(state: MutableMapping[str, Any], saved: Mapping[str, Any], where: str,
-                  top: bool = True) -> None:
+def _restore_into(
+    state: MutableMapping[str, Any], saved: Mapping[str, Any], where: str, top: bool = True
+) -> None:
     """Top level: only the keys the caller passed are restored (others logged).  Nested
     dicts (``extra``) get the checkpoint's keys added."""
     for k in state.keys() - saved.keys():
@@ -127,6 +129,9 @@ def set_rng_state(rng: Mapping[str, Any]) -> None:
         if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
             torch.cuda.set_rng_state_all(cuda)
         else:
-            log.warning("checkpoint holds RNG state of %d CUDA devices, this process sees "
-                        "%d: CUDA RNG not restored", len(cuda),
-                        torch.cuda.device_count() if torch.cuda.is_available() else 0)
+            log.warning(
+                "checkpoint holds RNG state of %d CUDA devices, this process sees "
+                "%d: CUDA RNG not restored",
+                len(cuda),
+                torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            )

@@ -26,8 +26,10 @@ def head_problems(storage: Storage, m: Manifest) -> list[str]:
         if info is None:
             out.append(f"{s.key}: missing (step {m.step})")
         elif info.size_bytes != s.size_bytes:
-            out.append(f"{s.key}: size {info.size_bytes} bytes, manifest says {s.size_bytes}"
-                       f" (truncated or overwritten)")
+            out.append(
+                f"{s.key}: size {info.size_bytes} bytes, manifest says {s.size_bytes}"
+                f" (truncated or overwritten)"
+            )
     return out
 
 

@@ -8,18 +8,38 @@ import click
 from ckrun.errors import UsageError
 
 
-@click.command(name="check-resume", context_settings={"ignore_unknown_options": True,
-                                                     "allow_interspersed_args": False})
-@click.option("--interruptions", "-k", type=int, default=3, show_default=True,
-              help="Preemptions at random steps in the interrupted run.")
+@click.command(
+    name="check-resume",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option(
+    "--interruptions",
+    "-k",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Preemptions at random steps in the interrupted run.",
+)
 @click.option("--seed", type=int, default=None, help="Seed for the steps (replay a failure).")
-@click.option("--workdir", default=None, metavar="DIR",
-              help="Storage for both runs [a new temp dir, kept].")
-@click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
-              help="Limit for each run, in seconds.")
+@click.option(
+    "--workdir", default=None, metavar="DIR", help="Storage for both runs [a new temp dir, kept]."
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Limit for each run, in seconds.",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def check_resume(interruptions: int, seed: int | None, workdir: str | None, timeout_s: float,
-                 command: tuple[str, ...]) -> int:
+def check_resume(
+    interruptions: int,
+    seed: int | None,
+    workdir: str | None,
+    timeout_s: float,
+    command: tuple[str, ...],
+) -> int:
     """Run CMD uninterrupted and again with K preemptions at random steps, then compare
     the final checkpoints tensor by tensor: `ckrun check-resume -k 3 -- python train.py`.
 
@@ -35,19 +55,28 @@ def check_resume(interruptions: int, seed: int | None, workdir: str | None, time
         cmd.insert(0, sys.executable)
     if interruptions < 1:
         raise UsageError("--interruptions must be at least 1")
-    res = run_check(cmd, interruptions=interruptions, seed=seed, workdir=workdir,
-                    timeout_s=timeout_s, echo=click.echo)
+    res = run_check(
+        cmd,
+        interruptions=interruptions,
+        seed=seed,
+        workdir=workdir,
+        timeout_s=timeout_s,
+        echo=click.echo,
+    )
     for note in res.notes:
         click.echo(f"[ckrun] check-resume: note: {note}")
     if res.passed:
-        click.echo(f"PASS: {res.compared} entries identical after {res.preemptions} "
-                   f"preemptions (steps {', '.join(map(str, res.interrupt_steps))})")
+        click.echo(
+            f"PASS: {res.compared} entries identical after {res.preemptions} "
+            f"preemptions (steps {', '.join(map(str, res.interrupt_steps))})"
+        )
         return 0
     d = res.divergence
     assert d is not None
     click.echo(f"FAIL: {d.path} differs: {d.detail}")
     click.echo(f"  likely cause: {d.hint}")
-    click.echo(f"  replay: ckrun check-resume -k {interruptions} --seed {res.seed} -- "
-               f"{' '.join(command)}")
+    click.echo(
+        f"  replay: ckrun check-resume -k {interruptions} --seed {res.seed} -- {' '.join(command)}"
+    )
     click.echo(f"  both runs are kept in {res.workdir}")
     return 1

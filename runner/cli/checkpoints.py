@@ -27,8 +27,10 @@ def _open(run_dir: str) -> Storage:
 
     local = run_dir.removeprefix("file://")
     if "://" not in local and not os.path.isdir(local):
-        raise UsageError(f"{run_dir}: no such run directory; pass the run root "
-                         "(the directory holding checkpoints/ and run.json)")
+        raise UsageError(
+            f"{run_dir}: no such run directory; pass the run root "
+            "(the directory holding checkpoints/ and run.json)"
+        )
     return open_storage(run_dir)
 
 
@@ -50,14 +52,30 @@ def _rows(storage: Storage) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for m in sc.manifests:
         bad = head_problems(storage, m)
-        rows.append({"step": m.step, "kind": m.kind, "size_bytes": m.total_size_bytes,
-                     "committed_utc": m.committed_utc, "attempt": m.attempt,
-                     "save_duration_s": m.save_duration_s,
-                     "status": "ok" if not bad else "damaged: " + "; ".join(bad)})
+        rows.append(
+            {
+                "step": m.step,
+                "kind": m.kind,
+                "size_bytes": m.total_size_bytes,
+                "committed_utc": m.committed_utc,
+                "attempt": m.attempt,
+                "save_duration_s": m.save_duration_s,
+                "status": "ok" if not bad else "damaged: " + "; ".join(bad),
+            }
+        )
     for key, problem in sc.problems:
-        rows.append({"step": None, "kind": None, "size_bytes": None, "committed_utc": None,
-                     "attempt": None, "save_duration_s": None, "key": key,
-                     "status": f"invalid: {problem}"})
+        rows.append(
+            {
+                "step": None,
+                "kind": None,
+                "size_bytes": None,
+                "committed_utc": None,
+                "attempt": None,
+                "save_duration_s": None,
+                "key": key,
+                "status": f"invalid: {problem}",
+            }
+        )
     return rows
 
 
@@ -75,8 +93,12 @@ def ls(ctx: click.Context, run_dir: str, as_json: bool) -> None:
         _fail(ctx, e)
         return
     if as_json:
-        body = {"run_dir": run_dir, "checkpoints": rows,
-                "complete": marker is not None, "complete_problem": problem}
+        body = {
+            "run_dir": run_dir,
+            "checkpoints": rows,
+            "complete": marker is not None,
+            "complete_problem": problem,
+        }
         click.echo(json.dumps(body, indent=1))
         return
     if not rows:
@@ -86,8 +108,10 @@ def ls(ctx: click.Context, run_dir: str, as_json: bool) -> None:
         for r in rows:
             step = "-" if r["step"] is None else str(r["step"])
             size = "-" if r["size_bytes"] is None else _size(r["size_bytes"])
-            click.echo(f"{step:>10}  {r['kind'] or '-':<9} {size:>10}  "
-                       f"{r['committed_utc'] or '-':<27} {r['status']}")
+            click.echo(
+                f"{step:>10}  {r['kind'] or '-':<9} {size:>10}  "
+                f"{r['committed_utc'] or '-':<27} {r['status']}"
+            )
     if marker is not None:
         click.echo(f"complete: final step {marker.final_step} ({marker.manifest_key})")
     elif problem:
@@ -108,8 +132,7 @@ def verify(ctx: click.Context, run_dir: str, step: int | None) -> None:
         return
     todo: list[Manifest] = [m for m in sc.manifests if step is None or m.step == step]
     if step is not None and not todo:
-        _fail(ctx, UsageError(f"{run_dir}: no committed checkpoint at step {step}; "
-                              "see `ckrun ls`"))
+        _fail(ctx, UsageError(f"{run_dir}: no committed checkpoint at step {step}; see `ckrun ls`"))
         return
     bad = 0
     for m in todo:

@@ -80,10 +80,15 @@ def launch_diff(old: RunConfig, new: RunConfig) -> list[str]:
     """Readable differences of the launch identity (empty when the same)."""
     if old.launch_hash() == new.launch_hash():
         return []
-    return [f"launch_hash: {old.launch_hash()} → {new.launch_hash()}",
-            f"command: {shlex.join(old.command)} → {shlex.join(new.command)}",
-            *([f"world_size: {old.world_size} → {new.world_size}"]
-              if old.world_size != new.world_size else [])]
+    return [
+        f"launch_hash: {old.launch_hash()} → {new.launch_hash()}",
+        f"command: {shlex.join(old.command)} → {shlex.join(new.command)}",
+        *(
+            [f"world_size: {old.world_size} → {new.world_size}"]
+            if old.world_size != new.world_size
+            else []
+        ),
+    ]
 
 
 def reconcile(frozen: RunConfig | None, cfg: RunConfig) -> RunConfig:
@@ -100,7 +105,8 @@ def reconcile(frozen: RunConfig | None, cfg: RunConfig) -> RunConfig:
         raise IncompatibleCheckpoint(
             f"run {cfg.run!r} was frozen with a different launch in run.json; use another "
             "--run, or --allow-change launch_hash to continue it with this command",
-            diff=diff)
+            diff=diff,
+        )
     return cfg
 
 
@@ -113,13 +119,16 @@ def locate(name: str, storage: str | None) -> RunDir:
     cfg = _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
     rd = RunDir(cfg.state_root)
     if not rd.exists():
-        raise UsageError(f"no run {name!r} under {cfg.storage} (no {rd.run_json}); "
-                         "pass --storage DIR where it was submitted")
+        raise UsageError(
+            f"no run {name!r} under {cfg.storage} (no {rd.run_json}); "
+            "pass --storage DIR where it was submitted"
+        )
     return rd
 
 
-def supervise(cfg: RunConfig, run_name: str, backend: str | None = None, *,
-              frozen: RunConfig | None = None) -> int:
+def supervise(
+    cfg: RunConfig, run_name: str, backend: str | None = None, *, frozen: RunConfig | None = None
+) -> int:
     """Lock the run (per node rank), freeze ``cfg`` if it changed, run the supervisor loop.
 
     Returns:
@@ -157,13 +166,25 @@ def job_env(cfg: RunConfig) -> dict[str, str]:
         value = getattr(cfg, key) if key in common_keys() else cfg.cloud.get(key)
         if value is None:
             continue
-        out[env_name(key)] = (",".join(map(str, value)) if isinstance(value, (tuple, list))
-                              else f"{value:g}" if isinstance(value, float) else str(value))
+        out[env_name(key)] = (
+            ",".join(map(str, value))
+            if isinstance(value, (tuple, list))
+            else f"{value:g}"
+            if isinstance(value, float)
+            else str(value)
+        )
     return out
 
 
-def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
-           run_name: str | None, *, detach: bool = False, dry_run: bool = False) -> int:
+def submit(
+    profile: str,
+    cli: Mapping[str, Any],
+    command: tuple[str, ...],
+    run_name: str | None,
+    *,
+    detach: bool = False,
+    dry_run: bool = False,
+) -> int:
     """``ckrun submit`` (see the module docstring); returns the exit code."""
     name = run_name or default_run_name(command)
     cfg = _absolute(resolve(profile, cli, run=name, command=command))
@@ -178,8 +199,14 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
         env["CKRUN_SUPERVISOR_LOG"] = rundir.log_path
     if cfg.state_dir:
         env["CKRUN_STATE_DIR"] = cfg.state_dir
-    spec = JobSpec(run=name, command=command, storage=cfg.run_root, options=cfg.options,
-                   env=env, supervisor_args=tuple(args))
+    spec = JobSpec(
+        run=name,
+        command=command,
+        storage=cfg.run_root,
+        options=cfg.options,
+        env=env,
+        supervisor_args=tuple(args),
+    )
     if dry_run:
         import json
 
@@ -193,8 +220,11 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
     cfg = reconcile(rundir.load_config(), cfg)
     holder = rundir.live_holder()
     if holder is not None:
-        raise RunLocked(f"run {name!r} is alive: supervisor pid {holder.get('pid')} on "
-                        f"{holder.get('host')} holds it; `ckrun status {name}`", holder=holder)
+        raise RunLocked(
+            f"run {name!r} is alive: supervisor pid {holder.get('pid')} on "
+            f"{holder.get('host')} holds it; `ckrun status {name}`",
+            holder=holder,
+        )
     if os.path.exists(rundir.cancelled_path):
         os.unlink(rundir.cancelled_path)
     rundir.freeze(cfg)
@@ -202,12 +232,13 @@ def submit(profile: str, cli: Mapping[str, Any], command: tuple[str, ...],
     if local and not detach:
         return supervise(cfg, name, "local", frozen=cfg)
     job_id = sched.submit(spec)
-    write_json_atomic(rundir.job_json, {"backend": cfg.scheduler, "job_id": job_id,
-                                        "submitted_utc": iso_utc(utcnow())})
+    write_json_atomic(
+        rundir.job_json,
+        {"backend": cfg.scheduler, "job_id": job_id, "submitted_utc": iso_utc(utcnow())},
+    )
     from ckrun.runlog import EventLog
 
-    EventLog(rundir.events_path, name).append("submitted", backend=cfg.scheduler,
-                                              job_id=job_id)
+    EventLog(rundir.events_path, name).append("submitted", backend=cfg.scheduler, job_id=job_id)
     where = f", log {rundir.log_path}" if local else ""
     say(f"run {name}: submitted to {cfg.scheduler} as job {job_id}{where}")
     return 0
@@ -228,16 +259,24 @@ def _submit_state(cfg: RunConfig) -> RunDir | None:
         return None
 
 
-def run(run_name: str, cli: Mapping[str, Any], command: tuple[str, ...], *,
-        profile: str | None = None, scheduler: str | None = None) -> int:
+def run(
+    run_name: str,
+    cli: Mapping[str, Any],
+    command: tuple[str, ...],
+    *,
+    profile: str | None = None,
+    scheduler: str | None = None,
+) -> int:
     """``ckrun run``: the supervisor alone, for run ``run_name``; returns the exit code."""
     base = _absolute(resolve(profile or "local", cli, run=run_name, command=command))
     rundir = RunDir(base.state_root)
     frozen = rundir.load_config()
     if frozen is None:
         if not command:
-            raise UsageError(f"run {run_name!r} has no run.json under {base.storage}: give "
-                             "the command after `--`")
+            raise UsageError(
+                f"run {run_name!r} has no run.json under {base.storage}: give "
+                "the command after `--`"
+            )
         cfg = base
     else:
         allow = tuple(dict.fromkeys((*frozen.allow_change, *cli.get("allow_change", ()))))
@@ -260,8 +299,10 @@ def _signal_holder(holder: dict[str, Any]) -> str:
 def cancel(name: str, storage: str | None) -> str:
     """``ckrun cancel``: mark the run cancelled and stop its supervisor or job."""
     rd = locate(name, storage)
-    write_json_atomic(rd.cancelled_path, {"cancelled_utc": iso_utc(utcnow()),
-                                          "by": f"{socket.gethostname()}:{os.getpid()}"})
+    write_json_atomic(
+        rd.cancelled_path,
+        {"cancelled_utc": iso_utc(utcnow()), "by": f"{socket.gethostname()}:{os.getpid()}"},
+    )
     holder = rd.live_holder()
     if holder is not None:
         rd.request(CANCEL_REQUEST, {"requested_utc": iso_utc(utcnow())})

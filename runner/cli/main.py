@@ -100,10 +100,19 @@ def main_group() -> None:
     """ckrun: keep long ML training runs alive on preemptible capacity."""
 
 
-_storage_opt = click.option("--storage", default=None, metavar="DIR",
-                            help="Storage base; the run root is DIR/RUN [./ckrun-runs].")
-_allow_opt = click.option("--allow-change", "allow_change", multiple=True, metavar="FIELD",
-                          help="Compat field allowed to differ on resume (repeatable).")
+_storage_opt = click.option(
+    "--storage",
+    default=None,
+    metavar="DIR",
+    help="Storage base; the run root is DIR/RUN [./ckrun-runs].",
+)
+_allow_opt = click.option(
+    "--allow-change",
+    "allow_change",
+    multiple=True,
+    metavar="FIELD",
+    help="Compat field allowed to differ on resume (repeatable).",
+)
 
 
 #: Backend options of ``submit`` (the forms issues 4 and 6 write out): flag, profile key,
@@ -138,20 +147,51 @@ def _backend_options(f: Any) -> Any:
 @click.option("--max-failures", type=int, default=None, help="Failures allowed.")
 @click.option("--grace", default=None, metavar="S", help="Notice → exit limit (seconds).")
 @_allow_opt
-@click.option("--chaos-preempt-every", default=None, metavar="DURATION",
-              help="Local profile: a drill notice every DURATION of child runtime (20s).")
-@click.option("--nproc-per-node", "nproc_per_node", type=int, default=None, metavar="N",
-              help="Processes per node: run the command under torchrun [1].")
-@click.option("--nnodes", type=int, default=None, metavar="M",
-              help="Nodes (one supervisor each; MASTER_ADDR required) [1].")
-@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="Any profile key, e.g. --set image=IMG --set partition=gpu (repeatable).")
+@click.option(
+    "--chaos-preempt-every",
+    default=None,
+    metavar="DURATION",
+    help="Local profile: a drill notice every DURATION of child runtime (20s).",
+)
+@click.option(
+    "--nproc-per-node",
+    "nproc_per_node",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Processes per node: run the command under torchrun [1].",
+)
+@click.option(
+    "--nnodes",
+    type=int,
+    default=None,
+    metavar="M",
+    help="Nodes (one supervisor each; MASTER_ADDR required) [1].",
+)
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Any profile key, e.g. --set image=IMG --set partition=gpu (repeatable).",
+)
 @_backend_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def submit(profile: str, run_name: str | None, storage: str | None, detach: bool,
-           dry_run: bool, max_requeues: int | None, max_failures: int | None,
-           grace: str | None, allow_change: tuple[str, ...], chaos_preempt_every: str | None,
-           settings: tuple[str, ...], args: tuple[str, ...], **backend: Any) -> int:
+def submit(
+    profile: str,
+    run_name: str | None,
+    storage: str | None,
+    detach: bool,
+    dry_run: bool,
+    max_requeues: int | None,
+    max_failures: int | None,
+    grace: str | None,
+    allow_change: tuple[str, ...],
+    chaos_preempt_every: str | None,
+    settings: tuple[str, ...],
+    args: tuple[str, ...],
+    **backend: Any,
+) -> int:
     """Submit a training command: `ckrun submit train.py [ARGS]...` or `-- CMD [ARGS]...`.
 
     ckrun's options may come before or after the script; the script's own arguments go
@@ -159,12 +199,20 @@ def submit(profile: str, run_name: str | None, storage: str | None, detach: bool
     from ckrun.cli import commands as launch
 
     cli = _settings(settings)
-    cli.update(_cli_values(storage=storage, max_requeues=max_requeues,
-                           max_failures=max_failures, grace_s=grace,
-                           allow_change=allow_change, chaos_preempt_every=chaos_preempt_every))
+    cli.update(
+        _cli_values(
+            storage=storage,
+            max_requeues=max_requeues,
+            max_failures=max_failures,
+            grace_s=grace,
+            allow_change=allow_change,
+            chaos_preempt_every=chaos_preempt_every,
+        )
+    )
     cli.update(_cli_values(**backend))
-    return int(launch.submit(profile, cli, _command(args), run_name, detach=detach,
-                             dry_run=dry_run))
+    return int(
+        launch.submit(profile, cli, _command(args), run_name, detach=detach, dry_run=dry_run)
+    )
 
 
 @main_group.command(context_settings=_CMD)
@@ -172,11 +220,20 @@ def submit(profile: str, run_name: str | None, storage: str | None, detach: bool
 @_storage_opt
 @_allow_opt
 @click.option("--profile", default=None, help="Profile when the run has no run.json yet.")
-@click.option("--scheduler", default=None,
-              help="Backend for requeue [autodetect: SLURM_JOB_ID, KUBERNETES_SERVICE_HOST].")
+@click.option(
+    "--scheduler",
+    default=None,
+    help="Backend for requeue [autodetect: SLURM_JOB_ID, KUBERNETES_SERVICE_HOST].",
+)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(run_name: str, storage: str | None, allow_change: tuple[str, ...],
-        profile: str | None, scheduler: str | None, args: tuple[str, ...]) -> int:
+def run(
+    run_name: str,
+    storage: str | None,
+    allow_change: tuple[str, ...],
+    profile: str | None,
+    scheduler: str | None,
+    args: tuple[str, ...],
+) -> int:
     """Supervise a run in this process (what Slurm, Kubernetes and boot scripts call)."""
     from ckrun.cli import commands as launch
 
@@ -234,13 +291,20 @@ def config_cmd(profile: str, as_json: bool) -> int:
     from ckrun.config import resolve
 
     cfg = resolve(profile)
-    body = {k: v for k, v in cfg.to_json().items()
-            if k not in ("run", "command", "sources", "launch_hash", "options", "cloud")}
+    body = {
+        k: v
+        for k, v in cfg.to_json().items()
+        if k not in ("run", "command", "sources", "launch_hash", "options", "cloud")
+    }
     body.update(cfg.to_json()["options"])
     body.update(cfg.cloud)
     if as_json:
-        click.echo(json.dumps({k: {"value": v, "source": cfg.sources.get(k, "default")}
-                               for k, v in body.items()}, indent=1))
+        click.echo(
+            json.dumps(
+                {k: {"value": v, "source": cfg.sources.get(k, "default")} for k, v in body.items()},
+                indent=1,
+            )
+        )
         return 0
     width = max(len(k) for k in body)
     for k, v in body.items():

@@ -37,26 +37,46 @@ INTERRUPTED = "interrupted"
 
 # Entry-path prefixes in causal order, with the usual cause of a divergence there.
 _HINTS: list[tuple[str, str]] = [
-    ("step", "the runs ended on different steps: the loop's start step after load() "
-             "must be manifest.step + 1"),
-    ("user.sampler", "the data order differs after resume: put a resumable sampler "
-                     "(ckrun.ResumableSampler or a StatefulDataLoader) in `state` and do not "
-                     "re-seed or re-create it after load()"),
-    ("user.scheduler", "the LR schedule differs: include the scheduler in `state` and do "
-                       "not step it on resume"),
+    (
+        "step",
+        "the runs ended on different steps: the loop's start step after load() "
+        "must be manifest.step + 1",
+    ),
+    (
+        "user.sampler",
+        "the data order differs after resume: put a resumable sampler "
+        "(ckrun.ResumableSampler or a StatefulDataLoader) in `state` and do not "
+        "re-seed or re-create it after load()",
+    ),
+    (
+        "user.scheduler",
+        "the LR schedule differs: include the scheduler in `state` and do not step it on resume",
+    ),
     ("user.scaler", "the AMP GradScaler state differs: include the scaler in `state`"),
-    ("user.optimizer.param_groups", "the learning rate or another optimizer "
-                                    "hyper-parameter differs: the LR scheduler is not in "
-                                    "`state`, or it is stepped again on resume"),
-    ("user.model", "the parameters diverged after a resume: something the loop depends on "
-                   "is not restored — the data order (put a ckrun.ResumableSampler or a "
-                   "StatefulDataLoader in `state`), RNG draws made between load() and the "
-                   "first step, a generator of your own — or kernels are non-deterministic "
-                   "(torch.use_deterministic_algorithms(True))"),
-    ("user.optimizer", "the optimizer state differs: include the optimizer in `state` and "
-                       "load it before the first step"),
-    ("user", "a value in `state` differs after resume: make sure everything the loop "
-             "mutates is in `state`"),
+    (
+        "user.optimizer.param_groups",
+        "the learning rate or another optimizer "
+        "hyper-parameter differs: the LR scheduler is not in "
+        "`state`, or it is stepped again on resume",
+    ),
+    (
+        "user.model",
+        "the parameters diverged after a resume: something the loop depends on "
+        "is not restored — the data order (put a ckrun.ResumableSampler or a "
+        "StatefulDataLoader in `state`), RNG draws made between load() and the "
+        "first step, a generator of your own — or kernels are non-deterministic "
+        "(torch.use_deterministic_algorithms(True))",
+    ),
+    (
+        "user.optimizer",
+        "the optimizer state differs: include the optimizer in `state` and "
+        "load it before the first step",
+    ),
+    (
+        "user",
+        "a value in `state` differs after resume: make sure everything the loop "
+        "mutates is in `state`",
+    ),
     ("rng", "an RNG state differs"),
 ]
 
@@ -141,8 +161,9 @@ def _differs(a: Any, b: Any) -> str | None:
     return None if a == b else f"{a!r} vs {b!r}"
 
 
-def compare_trees(ref: Mapping[str, Any],
-                  got: Mapping[str, Any]) -> tuple[int, Divergence | None, list[str]]:
+def compare_trees(
+    ref: Mapping[str, Any], got: Mapping[str, Any]
+) -> tuple[int, Divergence | None, list[str]]:
     """Compare two loaded run-state trees entry by entry, in causal order.
 
     Only the training outcome decides: the step and every entry of the user's state.
@@ -186,8 +207,10 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     storage = open_storage(run_root)
     finals = [m for m in discovery.committed(storage) if m.kind == "final"]
     if not finals:
-        raise CheckpointError(f"{run_root} has no final checkpoint: the run did not complete "
-                              "(see its events.jsonl and the output above)")
+        raise CheckpointError(
+            f"{run_root} has no final checkpoint: the run did not complete "
+            "(see its events.jsonl and the output above)"
+        )
     m = finals[0]
     tree: dict[str, Any] = {"step": m.step}
     for s in sorted(m.shards, key=lambda s: s.rank):
@@ -214,14 +237,36 @@ def drill_counts(steps: Sequence[int]) -> list[int]:
     return out
 
 
-def _supervise(run: str, storage: str, command: Sequence[str], env: Mapping[str, str],
-               log_path: str, timeout_s: float) -> int:
-    argv = [sys.executable, "-m", "ckrun", "run", "--run", run, "--storage", storage,
-            "--", *command]
+def _supervise(
+    run: str,
+    storage: str,
+    command: Sequence[str],
+    env: Mapping[str, str],
+    log_path: str,
+    timeout_s: float,
+) -> int:
+    argv = [
+        sys.executable,
+        "-m",
+        "ckrun",
+        "run",
+        "--run",
+        run,
+        "--storage",
+        storage,
+        "--",
+        *command,
+    ]
     env = {"CKRUN_MAX_REQUEUES": "1000", **env}
     with open(log_path, "w") as log:
-        p = subprocess.run(argv, env={**os.environ, **env}, stdout=log,
-                           stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        p = subprocess.run(
+            argv,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            check=False,
+        )
     return p.returncode
 
 
@@ -232,9 +277,15 @@ def _preemptions(run_root: str) -> int:
     return sum(1 for ev in evs if ev.get("kind") == "preempted")
 
 
-def check_resume(command: Sequence[str], *, interruptions: int = 3, seed: int | None = None,
-                 workdir: str | None = None, timeout_s: float = 3600.0,
-                 echo: Any = print) -> CheckResult:
+def check_resume(
+    command: Sequence[str],
+    *,
+    interruptions: int = 3,
+    seed: int | None = None,
+    workdir: str | None = None,
+    timeout_s: float = 3600.0,
+    echo: Any = print,
+) -> CheckResult:
     """Run ``command`` uninterrupted and with ``interruptions`` preemptions; compare.
 
     Args:
@@ -253,22 +304,28 @@ def check_resume(command: Sequence[str], *, interruptions: int = 3, seed: int | 
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     echo(f"[ckrun] check-resume: workdir {workdir}, seed {seed}")
     echo(f"[ckrun] check-resume: 1/2 uninterrupted run ({' '.join(command)})")
-    rc = _supervise(UNINTERRUPTED, workdir, command, {},
-                    os.path.join(workdir, "uninterrupted.log"), timeout_s)
+    rc = _supervise(
+        UNINTERRUPTED, workdir, command, {}, os.path.join(workdir, "uninterrupted.log"), timeout_s
+    )
     if rc != 0:
-        raise CkrunError(f"the uninterrupted run exited {rc}; see "
-                         f"{os.path.join(workdir, 'uninterrupted.log')}")
+        raise CkrunError(
+            f"the uninterrupted run exited {rc}; see {os.path.join(workdir, 'uninterrupted.log')}"
+        )
     final_step, ref = load_final(os.path.join(workdir, UNINTERRUPTED))
     k = max(0, min(interruptions, final_step))
     steps = sorted(random.Random(seed).sample(range(final_step), k)) if k else []
-    echo(f"[ckrun] check-resume: 2/2 run with {k} preemptions at steps "
-         f"{', '.join(map(str, steps)) or '-'}")
+    echo(
+        f"[ckrun] check-resume: 2/2 run with {k} preemptions at steps "
+        f"{', '.join(map(str, steps)) or '-'}"
+    )
     env = {"CKRUN_DRILL_AT_CHECKS": ",".join(map(str, drill_counts(steps)))}
-    rc = _supervise(INTERRUPTED, workdir, command, env,
-                    os.path.join(workdir, "interrupted.log"), timeout_s)
+    rc = _supervise(
+        INTERRUPTED, workdir, command, env, os.path.join(workdir, "interrupted.log"), timeout_s
+    )
     if rc != 0:
-        raise CkrunError(f"the interrupted run exited {rc}; see "
-                         f"{os.path.join(workdir, 'interrupted.log')}")
+        raise CkrunError(
+            f"the interrupted run exited {rc}; see {os.path.join(workdir, 'interrupted.log')}"
+        )
     _, got = load_final(os.path.join(workdir, INTERRUPTED))
     n_pre = _preemptions(os.path.join(workdir, INTERRUPTED))
     compared, div, rng = compare_trees(ref, got)
@@ -276,6 +333,8 @@ def check_resume(command: Sequence[str], *, interruptions: int = 3, seed: int | 
         div.hint += f" (RNG states that also differ: {', '.join(sorted(set(_rng_names(rng))))})"
     res = CheckResult(div is None, steps, n_pre, compared, div, workdir, seed)
     if n_pre < k:
-        res.notes.append(f"only {n_pre} of {k} drills led to a preemption: does the command "
-                         "call ckrun.preemption_requested() every step?")
+        res.notes.append(
+            f"only {n_pre} of {k} drills led to a preemption: does the command "
+            "call ckrun.preemption_requested() every step?"
+        )
     return res

@@ -46,8 +46,15 @@ def _attempts(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for ev in evs:
         a, kind = int(ev.get("attempt", 0)), ev.get("kind")
         if kind == "spawn":
-            out[a] = {"attempt": a, "spawn": _t(ev), "end": None, "commits": [],
-                      "status": None, "resume": None, "interruption": None}
+            out[a] = {
+                "attempt": a,
+                "spawn": _t(ev),
+                "end": None,
+                "commits": [],
+                "status": None,
+                "resume": None,
+                "interruption": None,
+            }
         elif a not in out:
             continue
         elif kind == "attempt_start":
@@ -77,9 +84,16 @@ def _account(rec: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         lost_steps = 0
     elif useful > 0 and gained > 0:
         lost_steps = round(lost_s * gained / useful, 1)
-    return {"attempt": rec["attempt"], "status": rec["status"], "saving_s": saving,
-            "useful_s": useful, "lost_s": lost_s, "lost_steps": lost_steps,
-            "interruption": rec["interruption"], "wall_s": (end - rec["spawn"]).total_seconds()}
+    return {
+        "attempt": rec["attempt"],
+        "status": rec["status"],
+        "saving_s": saving,
+        "useful_s": useful,
+        "lost_s": lost_s,
+        "lost_steps": lost_steps,
+        "interruption": rec["interruption"],
+        "wall_s": (end - rec["spawn"]).total_seconds(),
+    }
 
 
 def _newest(rd: RunDir, default: int | None) -> int | None:
@@ -114,8 +128,11 @@ def scheduler_view(rd: RunDir) -> dict[str, Any] | None:
     backend, job_id = str(job["backend"]), str(job["job_id"])
     try:
         sched: Any = get_scheduler(backend)
-        view = sched.describe(job_id) if hasattr(sched, "describe") else {
-            "state": sched.status(job_id).value}
+        view = (
+            sched.describe(job_id)
+            if hasattr(sched, "describe")
+            else {"state": sched.status(job_id).value}
+        )
     except (CkrunError, OSError, ImportError, RuntimeError, ValueError) as e:
         return {"backend": backend, "job_id": job_id, "error": str(e)}
     return {"backend": backend, "job_id": job_id, **dict(view)}
@@ -132,7 +149,7 @@ def summarize(rd: RunDir) -> dict[str, Any]:
     last_exit = next((e for e in reversed(evs) if e.get("kind") == "supervisor_exit"), None)
     if holder is not None:
         spawns = [i for i, e in enumerate(evs) if e.get("kind") == "spawn"]
-        draining = any(e.get("kind") == "notice" for e in evs[spawns[-1]:]) if spawns else False
+        draining = any(e.get("kind") == "notice" for e in evs[spawns[-1] :]) if spawns else False
         state = "DRAINING" if draining else "RUNNING"
     elif last_exit is not None:
         state = str(last_exit.get("state"))
@@ -142,19 +159,26 @@ def summarize(rd: RunDir) -> dict[str, Any]:
     wall = ((recs[-1]["end"] or now) - recs[0]["spawn"]).total_seconds() if recs else 0.0
     useful = sum(a["useful_s"] for a in acc)
     return {
-        "run": cfg.get("run", ""), "state": state, "live": holder is not None,
-        "supervisor": holder, "exit_code": last_exit.get("exit_code") if last_exit else None,
-        "command": cfg.get("command"), "attempts": len(recs),
+        "run": cfg.get("run", ""),
+        "state": state,
+        "live": holder is not None,
+        "supervisor": holder,
+        "exit_code": last_exit.get("exit_code") if last_exit else None,
+        "command": cfg.get("command"),
+        "attempts": len(recs),
         "preemptions": sum(a["interruption"] == "preemption" for a in acc),
         "failures": sum(a["interruption"] == "failure" for a in acc),
         "last_committed_step": _newest(rd, max(steps) if steps else None),
         "complete": _complete(rd),
-        "wall_s": round(wall, 3), "useful_s": round(useful, 3),
+        "wall_s": round(wall, 3),
+        "useful_s": round(useful, 3),
         "saving_s": round(sum(a["saving_s"] for a in acc), 3),
         "goodput": round(useful / wall, 4) if wall > 0 else None,
-        "interruptions": [{k: a[k] for k in ("attempt", "interruption", "status", "lost_s",
-                                             "lost_steps")}
-                          for a in acc if a["interruption"]],
+        "interruptions": [
+            {k: a[k] for k in ("attempt", "interruption", "status", "lost_s", "lost_steps")}
+            for a in acc
+            if a["interruption"]
+        ],
         "scheduler": scheduler_view(rd),
         "interval": status_line(rd.root),
     }
@@ -178,12 +202,17 @@ def render(s: dict[str, Any]) -> str:
     job = s.get("scheduler")
     if job:
         extra = job.get("error") or ", ".join(
-            f"{k} {v}" for k, v in job.items()
-            if k not in ("backend", "job_id") and v not in (None, "", [], {})
-            and not isinstance(v, (dict, list)))
+            f"{k} {v}"
+            for k, v in job.items()
+            if k not in ("backend", "job_id")
+            and v not in (None, "", [], {})
+            and not isinstance(v, (dict, list))
+        )
         lines.append(f"  {job['backend']} job {job['job_id']}: {extra}")
     for i in s["interruptions"]:
         steps = "?" if i["lost_steps"] is None else f"{i['lost_steps']:g}"
-        lines.append(f"  attempt {i['attempt']}: {i['interruption']} (status {i['status']}), "
-                     f"lost {i['lost_s']:.1f} s / {steps} steps")
+        lines.append(
+            f"  attempt {i['attempt']}: {i['interruption']} (status {i['status']}), "
+            f"lost {i['lost_s']:.1f} s / {steps} steps"
+        )
     return "\n".join(lines)

@@ -171,8 +171,12 @@ class RunConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"run.json is invalid: {e}; fix or delete it") from e
         opts = _build_options(cfg.scheduler, dict(d.get("options") or {}))
-        return dataclasses.replace(cfg, options=opts, sources=dict(d.get("sources") or {}),
-                                   cloud=dict(d.get("cloud") or {}))
+        return dataclasses.replace(
+            cfg,
+            options=opts,
+            sources=dict(d.get("sources") or {}),
+            cloud=dict(d.get("cloud") or {}),
+        )
 
 
 def is_local_storage(url: str) -> bool:
@@ -258,7 +262,8 @@ def load_profile(name: str) -> dict[str, Any]:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         shipped = sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
         raise ConfigError(
-            f"unknown profile {name!r}; shipped profiles: {', '.join(shipped)}") from None
+            f"unknown profile {name!r}; shipped profiles: {', '.join(shipped)}"
+        ) from None
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
         body = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
@@ -402,8 +407,15 @@ def resolve(
     opts = _build_options(scheduler, {k: v for k, v in values.items() if k in backend_keys})
     extra = set(cloud_keys()) | set(storage_keys())
     cloud = _cloud_values({k: v for k, v in values.items() if k in extra})
-    cfg = RunConfig(run=run, command=tuple(command), profile=profile, options=opts,
-                    cloud=cloud, sources=sources, **common)
+    cfg = RunConfig(
+        run=run,
+        command=tuple(command),
+        profile=profile,
+        options=opts,
+        cloud=cloud,
+        sources=sources,
+        **common,
+    )
     cfg = _launched_world(cfg)
     _validate(cfg)
     return cfg
@@ -416,17 +428,21 @@ def _launched_world(cfg: RunConfig) -> RunConfig:
         ConfigError: a count below 1, or a ``world_size`` set explicitly to another value.
     """
     if cfg.nproc_per_node < 1 or cfg.nnodes < 1:
-        raise ConfigError(f"nproc_per_node ({cfg.nproc_per_node}) and nnodes ({cfg.nnodes}) "
-                          "must be >= 1")
+        raise ConfigError(
+            f"nproc_per_node ({cfg.nproc_per_node}) and nnodes ({cfg.nnodes}) must be >= 1"
+        )
     launched = cfg.nproc_per_node * cfg.nnodes
     if launched == 1 or cfg.world_size == launched:
         return cfg
     if cfg.sources.get("world_size", "default") != "default":
-        raise ConfigError(f"world_size {cfg.world_size} contradicts nproc_per_node "
-                          f"{cfg.nproc_per_node} x nnodes {cfg.nnodes} = {launched}; drop "
-                          "world_size (it is derived)")
-    return dataclasses.replace(cfg, world_size=launched, sources={
-        **cfg.sources, "world_size": "nproc_per_node x nnodes"})
+        raise ConfigError(
+            f"world_size {cfg.world_size} contradicts nproc_per_node "
+            f"{cfg.nproc_per_node} x nnodes {cfg.nnodes} = {launched}; drop "
+            "world_size (it is derived)"
+        )
+    return dataclasses.replace(
+        cfg, world_size=launched, sources={**cfg.sources, "world_size": "nproc_per_node x nnodes"}
+    )
 
 
 def _validate(cfg: RunConfig) -> None:

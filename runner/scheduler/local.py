@@ -77,8 +77,17 @@ class LocalScheduler:
         self.options = options or Options()
 
     def _argv(self, spec: JobSpec) -> list[str]:
-        return [sys.executable, "-m", "ckrun.cli", "run", "--run", spec.run,
-                *spec.supervisor_args, "--", *spec.command]
+        return [
+            sys.executable,
+            "-m",
+            "ckrun.cli",
+            "run",
+            "--run",
+            spec.run,
+            *spec.supervisor_args,
+            "--",
+            *spec.command,
+        ]
 
     def render(self, spec: JobSpec) -> str:
         """The detached supervisor's command line (shell-quoted)."""
@@ -95,8 +104,7 @@ class LocalScheduler:
         """
         from ckrun.supervisor.process import spawn
 
-        log = spec.env.get("CKRUN_SUPERVISOR_LOG") or os.path.join(spec.storage,
-                                                                    "supervisor.log")
+        log = spec.env.get("CKRUN_SUPERVISOR_LOG") or os.path.join(spec.storage, "supervisor.log")
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
         env = dict(os.environ, **spec.env)
         try:

@@ -75,8 +75,9 @@ class LocalWriter:
         bytes_written: bytes written so far.
     """
 
-    def __init__(self, storage: LocalStorage, key: str, *, write_behind: bool = True,
-                 extra_flags: int = 0):
+    def __init__(
+        self, storage: LocalStorage, key: str, *, write_behind: bool = True, extra_flags: int = 0
+    ):
         self.key = key
         self._storage = storage
         self._final = storage._path(key)
@@ -86,7 +87,8 @@ class LocalWriter:
         self._tmp = os.path.join(d, name)
         try:
             self._fd: int | None = os.open(
-                self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags,
+                self._tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags,
                 0o644,
             )
         except OSError as e:

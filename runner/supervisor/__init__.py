@@ -1,1 +1,1 @@
-"""The supervisor: the pure state machine, its loop, preflight, the process tree, the run directory."""
+"""The supervisor: the pure state machine, its loop, preflight, process tree, run directory."""

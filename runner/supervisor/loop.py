@@ -76,9 +76,16 @@ class Supervisor:
     """
 
     def __init__(
-        self, cfg: RunConfig, rundir: RunDir, scheduler: Scheduler, job: JobInfo | None,
-        sources: list[NoticeSource], *, lock: SupervisorLock | None = None,
-        out: IO[str] | None = None, tick_s: float = 0.2,
+        self,
+        cfg: RunConfig,
+        rundir: RunDir,
+        scheduler: Scheduler,
+        job: JobInfo | None,
+        sources: list[NoticeSource],
+        *,
+        lock: SupervisorLock | None = None,
+        out: IO[str] | None = None,
+        tick_s: float = 0.2,
     ) -> None:
         self.cfg, self.rundir, self.scheduler, self.job = cfg, rundir, scheduler, job
         self.sources, self.lock, self.tick_s = sources, lock, tick_s
@@ -94,11 +101,18 @@ class Supervisor:
         self._last_notice: Notice | None = None
         self._delivered: list[int] | None = None
         self._wake_r = -1
-        self.state = sm.State(policy=sm.Policy(
-            max_requeues=cfg.max_requeues, max_failures=cfg.max_failures,
-            crash_loop_failures=cfg.crash_loop_failures, grace_s=cfg.grace_s,
-            margin_s=cfg.margin_s, kill_delay_s=cfg.kill_delay_s, backoff_s=cfg.backoff_s,
-            backoff_max_s=cfg.backoff_max_s))
+        self.state = sm.State(
+            policy=sm.Policy(
+                max_requeues=cfg.max_requeues,
+                max_failures=cfg.max_failures,
+                crash_loop_failures=cfg.crash_loop_failures,
+                grace_s=cfg.grace_s,
+                margin_s=cfg.margin_s,
+                kill_delay_s=cfg.kill_delay_s,
+                backoff_s=cfg.backoff_s,
+                backoff_max_s=cfg.backoff_max_s,
+            )
+        )
 
     # ------------------------------------------------------------ plumbing
     @property
@@ -112,8 +126,11 @@ class Supervisor:
 
     def say(self, message: str) -> None:
         """Print one ``[ckrun]`` line."""
-        print(f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}",
-              file=self.out, flush=True)
+        print(
+            f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}",
+            file=self.out,
+            flush=True,
+        )
 
     def _handler(self, signum: int, frame: object) -> None:
         self._signals.append(signum)
@@ -133,6 +150,7 @@ class Supervisor:
                 signal.signal(s, h)
             os.close(r)
             os.close(w)
+
         return restore
 
     # ------------------------------------------------------------ main loop
@@ -149,12 +167,19 @@ class Supervisor:
         self.state = dataclasses.replace(self.state, attempt=self._prior_attempts())
         self.events.attempt = self.state.attempt
         job = self.job
-        self.events.append("supervisor_start", pid=os.getpid(), subreaper=subreaper,
-                           backend=self.scheduler.name, launch_hash=self.cfg.launch_hash(),
-                           job_id=job.job_id if job else None, rank=job.rank if job else 0)
+        self.events.append(
+            "supervisor_start",
+            pid=os.getpid(),
+            subreaper=subreaper,
+            backend=self.scheduler.name,
+            launch_hash=self.cfg.launch_hash(),
+            job_id=job.job_id if job else None,
+            rank=job.rank if job else 0,
+        )
         if job is not None and job.backend != "local":
-            self.say(f"supervising {job.backend} job {job.job_id} rank {job.rank} "
-                     f"(pid {os.getpid()})")
+            self.say(
+                f"supervising {job.backend} job {job.job_id} rank {job.rank} (pid {os.getpid()})"
+            )
         try:
             self._queue.append(self._preflight())
             while True:
@@ -209,8 +234,9 @@ class Supervisor:
             self._queue.append(self._notice_event(n, now, self_term=True))
         elif sig == self.notice_sig:
             # Slurm's --signal lead time warns of the time limit, not of a preemption
-            kind = TIME_LIMIT if self.job is not None and self.job.backend == "slurm" \
-                else PREEMPTION
+            kind = (
+                TIME_LIMIT if self.job is not None and self.job.backend == "slurm" else PREEMPTION
+            )
             n = Notice.with_lead(kind, f"signal:{name}", self.cfg.grace_s)
             self._queue.append(self._notice_event(n, now))
         elif sig in _FORWARD:
@@ -248,10 +274,15 @@ class Supervisor:
         from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
 
         step, save_s = newest(self.storage)
-        self.events.append("attempt_end", status=c.status, seconds=now - c.started,
-                           commits=attempt_commits(self.storage, self.events.attempt))
-        self._queue.append(sm.ChildExited(c.status, step, is_complete(self.storage),
-                                          time.monotonic(), save_s))
+        self.events.append(
+            "attempt_end",
+            status=c.status,
+            seconds=now - c.started,
+            commits=attempt_commits(self.storage, self.events.attempt),
+        )
+        self._queue.append(
+            sm.ChildExited(c.status, step, is_complete(self.storage), time.monotonic(), save_s)
+        )
 
     def _strays(self, c: process.Child, now: float) -> None:
         """Direct child gone, session not empty: wait, TERM, KILL (see module docstring)."""
@@ -260,8 +291,10 @@ class Supervisor:
         assert c.exited is not None
         if self._strays_term_at is None:
             self._strays_term_at = c.exited + self.cfg.grace_s
-            self.say(f"child exited ({c.status}) but its session has processes left; "
-                     f"waiting up to {self.cfg.grace_s:g} s for them")
+            self.say(
+                f"child exited ({c.status}) but its session has processes left; "
+                f"waiting up to {self.cfg.grace_s:g} s for them"
+            )
         elif self._strays_kill_at is None and now >= self._strays_term_at:
             self._strays_kill_at = now + self.cfg.kill_delay_s
             process.signal_session(c, signal.SIGTERM)
@@ -279,8 +312,9 @@ class Supervisor:
         elif isinstance(a, sm.WriteNotice):
             n = self._last_notice
             detail = dict(n.detail) if n is not None and n.source == a.source else {}
-            control.write_notice(self.rundir.control_dir,
-                                 Notice.with_lead(a.kind, a.source, a.seconds_left, detail))
+            control.write_notice(
+                self.rundir.control_dir, Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
+            )
         elif isinstance(a, sm.Deliver) and self.child is not None:
             self._delivered = process.deliver(self.child, self.notice_sig)
         elif isinstance(a, sm.SignalGroup) and self.child is not None:
@@ -324,9 +358,13 @@ class Supervisor:
         if is_local_storage(root):
             root = os.path.abspath(root.removeprefix("file://"))
         env.update(
-            CKRUN_RUN=cfg.run, CKRUN_ATTEMPT=str(attempt), CKRUN_STORAGE=root,
-            CKRUN_CONTROL_DIR=self.rundir.control_dir, CKRUN_GRACE_S=f"{cfg.grace_s:g}",
-            CKRUN_NOTICE_SIGNAL=self.notice_sig.name, CKRUN_CONFIG_HASH=cfg.launch_hash(),
+            CKRUN_RUN=cfg.run,
+            CKRUN_ATTEMPT=str(attempt),
+            CKRUN_STORAGE=root,
+            CKRUN_CONTROL_DIR=self.rundir.control_dir,
+            CKRUN_GRACE_S=f"{cfg.grace_s:g}",
+            CKRUN_NOTICE_SIGNAL=self.notice_sig.name,
+            CKRUN_CONFIG_HASH=cfg.launch_hash(),
             CKRUN_ALLOW_CHANGE=",".join(cfg.allow_change),
         )
         env.update(storage_env(cfg))  # endpoint_url, s3_* from the profile
@@ -340,9 +378,11 @@ class Supervisor:
         if self.lock is not None:
             self.lock.update(attempt=a.attempt)
         try:
-            self.child = process.spawn(self._command(), self._child_env(a.attempt,
-                                                                         a.resume_step),
-                                       track_tree=self.cfg.nproc_per_node * self.cfg.nnodes > 1)
+            self.child = process.spawn(
+                self._command(),
+                self._child_env(a.attempt, a.resume_step),
+                track_tree=self.cfg.nproc_per_node * self.cfg.nnodes > 1,
+            )
         except (OSError, CkrunError) as e:
             return sm.SpawnFailed(str(e), time.monotonic())
         for src in self.sources:
@@ -358,8 +398,13 @@ class Supervisor:
         from ckrun.supervisor import torchrun
 
         cfg = self.cfg
-        return torchrun.wrap(cfg.command, nproc_per_node=cfg.nproc_per_node, nnodes=cfg.nnodes,
-                             node_rank=self.job.rank if self.job else 0, grace_s=cfg.grace_s)
+        return torchrun.wrap(
+            cfg.command,
+            nproc_per_node=cfg.nproc_per_node,
+            nnodes=cfg.nnodes,
+            node_rank=self.job.rank if self.job else 0,
+            grace_s=cfg.grace_s,
+        )
 
     def _requeue(self) -> sm.Event:
         now = time.monotonic()
@@ -377,8 +422,11 @@ class Supervisor:
         from ckrun.runlog import read_events
         from ckrun.supervisor.preflight import newest_attempt
 
-        seen = [int(e.get("attempt", 0)) + 1 for e in read_events(self.rundir.events_path)
-                if e.get("kind") == "spawn"]
+        seen = [
+            int(e.get("attempt", 0)) + 1
+            for e in read_events(self.rundir.events_path)
+            if e.get("kind") == "spawn"
+        ]
         last = newest_attempt(self.storage)
         return max([0, *seen, (last + 1) if last is not None else 0])
 

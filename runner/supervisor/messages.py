@@ -154,5 +154,15 @@ class Exit:
     code: int
 
 
-Action = (RunPreflight | Spawn | WriteNotice | Deliver | SignalGroup | Escalate | Kill
-          | Requeue | Log | Exit)
+Action = (
+    RunPreflight
+    | Spawn
+    | WriteNotice
+    | Deliver
+    | SignalGroup
+    | Escalate
+    | Kill
+    | Requeue
+    | Log
+    | Exit
+)

@@ -95,18 +95,31 @@ def preflight(cfg: RunConfig, rundir: RunDir, storage: Storage | None = None) ->
     warnings = list(pf.warnings) + list(pf.skipped)
     if pf.complete is not None:
         final: int = pf.complete.final_step
-        return PreflightReport("complete", final, (), tuple(warnings),
-                               f"COMPLETE.json, final step {final}")
+        return PreflightReport(
+            "complete", final, (), tuple(warnings), f"COMPLETE.json, final step {final}"
+        )
     step = pf.resume.step if pf.resume is not None else None
     diff = [d for d in pf.diff if not d.startswith(_ABSENT_HASH)]
     if len(diff) < len(pf.diff):
-        warnings.append(f"checkpoint step {step} has no launch_hash (its Checkpointer was "
-                        "not built with from_env); cannot check the launch identity")
+        warnings.append(
+            f"checkpoint step {step} has no launch_hash (its Checkpointer was "
+            "not built with from_env); cannot check the launch identity"
+        )
     if diff:
-        return PreflightReport("incompatible", step, tuple(diff), tuple(warnings),
-                               f"checkpoint step {step} is incompatible")
-    return PreflightReport("ready", step, (), tuple(warnings),
-                           f"resume from step {step}" if step is not None else "fresh start")
+        return PreflightReport(
+            "incompatible",
+            step,
+            tuple(diff),
+            tuple(warnings),
+            f"checkpoint step {step} is incompatible",
+        )
+    return PreflightReport(
+        "ready",
+        step,
+        (),
+        tuple(warnings),
+        f"resume from step {step}" if step is not None else "fresh start",
+    )
 
 
 def newest_step(storage: Storage) -> int | None:
@@ -141,10 +154,16 @@ def attempt_commits(storage: Storage, attempt: int) -> list[dict[str, Any]]:
     """
     from ckrun.checkpoint import discovery
 
-    return [{"step": m.step, "committed_utc": m.committed_utc, "save_s": m.save_duration_s,
-             "kind": m.kind}
-            for m in sorted(discovery.committed(storage), key=lambda m: m.step)
-            if m.attempt == attempt]
+    return [
+        {
+            "step": m.step,
+            "committed_utc": m.committed_utc,
+            "save_s": m.save_duration_s,
+            "kind": m.kind,
+        }
+        for m in sorted(discovery.committed(storage), key=lambda m: m.step)
+        if m.attempt == attempt
+    ]
 
 
 def is_complete(storage: Storage) -> bool:

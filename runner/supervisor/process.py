@@ -36,8 +36,19 @@ PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 #: Signals reset to their default action in the child (Python ignores SIGPIPE and
 #: SIGXFSZ; the supervisor handles the rest).
 _RESET_SIGNALS = tuple(
-    getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGTERM", "SIGINT", "SIGHUP",
-                                 "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGALRM")
+    getattr(signal, n)
+    for n in (
+        "SIGPIPE",
+        "SIGXFSZ",
+        "SIGTERM",
+        "SIGINT",
+        "SIGHUP",
+        "SIGQUIT",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGCHLD",
+        "SIGALRM",
+    )
     if hasattr(signal, n)
 )
 
@@ -71,7 +82,10 @@ class Child:
 
 
 def spawn(
-    argv: Sequence[str], env: Mapping[str, str], *, output_fd: int | None = None,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    output_fd: int | None = None,
     track_tree: bool = False,
 ) -> Child:
     """Start ``argv`` in a new session with environment ``env``.
@@ -93,13 +107,19 @@ def spawn(
         actions = [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
     try:
         pid = os.posix_spawnp(
-            argv[0], list(argv), dict(env), file_actions=actions, setsid=True,
-            setsigmask=(), setsigdef=_RESET_SIGNALS,
+            argv[0],
+            list(argv),
+            dict(env),
+            file_actions=actions,
+            setsid=True,
+            setsigmask=(),
+            setsigdef=_RESET_SIGNALS,
         )
     except OSError as e:
         raise OSError(e.errno, f"cannot run {argv[0]!r}: {e.strerror}") from e
-    return Child(pid=pid, argv=tuple(argv), started=time.monotonic(),
-                 sids=set() if track_tree else None)
+    return Child(
+        pid=pid, argv=tuple(argv), started=time.monotonic(), sids=set() if track_tree else None
+    )
 
 
 def exit_status(wait_status: int) -> int:
@@ -132,7 +152,7 @@ def _stat_fields(pid: int) -> tuple[int, int, int] | None:
             raw = f.read()
     except OSError:
         return None
-    rest = raw[raw.rfind(b")") + 2:].split()
+    rest = raw[raw.rfind(b")") + 2 :].split()
     if len(rest) < 4 or rest[0] == b"Z":
         return None  # zombies are not signalled; they are reaped
     return int(rest[1]), int(rest[2]), int(rest[3])

@@ -147,8 +147,14 @@ class RunDir:
                 f"`ckrun status {run}` or `ckrun cancel {run}`, or pick another --run",
                 holder=holder,
             ) from e
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt,
-                  "run": run, "rank": self.rank, "started_utc": iso_utc(utcnow())}
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "attempt": attempt,
+            "run": run,
+            "rank": self.rank,
+            "started_utc": iso_utc(utcnow()),
+        }
         held = SupervisorLock(self, lock, holder)
         held.update()
         return held

@@ -101,21 +101,32 @@ def rendezvous_args(nnodes: int, node_rank: int, env: Mapping[str, str]) -> list
     if env.get("SLURM_JOB_ID", "").isdigit():
         default_port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
     if not addr:
-        raise ConfigError(f"--nnodes {nnodes}: set MASTER_ADDR (and MASTER_PORT) to the first "
-                          "node's address in the job script, e.g. MASTER_ADDR=$(scontrol show "
-                          "hostnames $SLURM_JOB_NODELIST | head -n1)")
+        raise ConfigError(
+            f"--nnodes {nnodes}: set MASTER_ADDR (and MASTER_PORT) to the first "
+            "node's address in the job script, e.g. MASTER_ADDR=$(scontrol show "
+            "hostnames $SLURM_JOB_NODELIST | head -n1)"
+        )
     try:
         port = int(env.get("MASTER_PORT") or default_port)
     except ValueError as e:
         raise ConfigError(f"MASTER_PORT={env.get('MASTER_PORT')!r} is not a port") from e
     if not 0 <= node_rank < nnodes:
-        raise ConfigError(f"node rank {node_rank} is outside --nnodes {nnodes}; one "
-                          "supervisor per node (srun --ntasks-per-node 1)")
+        raise ConfigError(
+            f"node rank {node_rank} is outside --nnodes {nnodes}; one "
+            "supervisor per node (srun --ntasks-per-node 1)"
+        )
     return ["--node-rank", str(node_rank), "--master-addr", addr, "--master-port", str(port)]
 
 
-def wrap(command: Sequence[str], *, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
-         grace_s: float = 60.0, env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+def wrap(
+    command: Sequence[str],
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    grace_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
+) -> tuple[str, ...]:
     """The command the supervisor spawns: ``command`` itself for one process, else the
     torchrun form of the module docstring.
 
@@ -127,8 +138,9 @@ def wrap(command: Sequence[str], *, nproc_per_node: int, nnodes: int = 1, node_r
         ConfigError: a count below 1, or a multi-node rendezvous that cannot be formed.
     """
     if nproc_per_node < 1 or nnodes < 1:
-        raise ConfigError(f"--nproc-per-node ({nproc_per_node}) and --nnodes ({nnodes}) "
-                          "must be >= 1")
+        raise ConfigError(
+            f"--nproc-per-node ({nproc_per_node}) and --nnodes ({nnodes}) must be >= 1"
+        )
     argv = list(command)
     if nproc_per_node * nnodes == 1 or not argv:
         return tuple(argv)
@@ -139,9 +151,16 @@ def wrap(command: Sequence[str], *, nproc_per_node: int, nnodes: int = 1, node_r
         target = argv[1:]
     else:
         target = ["--no-python", *argv]
-    head = [python, "-m", MODULE, "--nproc-per-node", str(nproc_per_node),
-            "--nnodes", str(nnodes),
-            *rendezvous_args(nnodes, node_rank, os.environ if env is None else env)]
+    head = [
+        python,
+        "-m",
+        MODULE,
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--nnodes",
+        str(nnodes),
+        *rendezvous_args(nnodes, node_rank, os.environ if env is None else env),
+    ]
     if supports_shutdown_timeout():
         head += ["--shutdown-timeout", str(max(1, math.ceil(grace_s)))]
     return (*head, *target)
@@ -179,7 +198,7 @@ def _proc_table() -> dict[int, tuple[int, int]]:
                 raw = f.read()
         except OSError:
             continue
-        rest = raw[raw.rfind(b")") + 2:].split()
+        rest = raw[raw.rfind(b")") + 2 :].split()
         if len(rest) >= 4 and rest[0] != b"Z":
             out[int(name)] = (int(rest[1]), int(rest[3]))
     return out

@@ -144,11 +144,13 @@ def test_worker_error_surfaces_on_result_next_save_wait_close(small_fs: Path) ->
 
 def test_exit_without_wait_drains_the_save(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    code = ("import ckrun, torch, sys\n"
-            f"ck = ckrun.Checkpointer(storage={str(run)!r}, rng=False)\n"
-            "h = ck.async_save(7, {'w': torch.arange(1 << 22, dtype=torch.float32)})\n"
-            "print('returned', h.done(), flush=True)\n"
-            "sys.exit(75)\n")
+    code = (
+        "import ckrun, torch, sys\n"
+        f"ck = ckrun.Checkpointer(storage={str(run)!r}, rng=False)\n"
+        "h = ck.async_save(7, {'w': torch.arange(1 << 22, dtype=torch.float32)})\n"
+        "print('returned', h.done(), flush=True)\n"
+        "sys.exit(75)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 75, r.stderr
     st = ckrun.open_storage(str(run))
@@ -160,8 +162,9 @@ def test_exit_without_wait_drains_the_save(tmp_path: Path) -> None:
     assert torch.equal(got["w"], torch.arange(1 << 22, dtype=torch.float32))
 
 
-def _emergency(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-               lead_s: float) -> tuple[ckrun.Manifest, list[int]]:
+def _emergency(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lead_s: float
+) -> tuple[ckrun.Manifest, list[int]]:
     cdir = tmp_path / "control"
     monkeypatch.setenv("CKRUN_CONTROL_DIR", str(cdir))
     st = GatedStorage(str(run_dir))
@@ -181,14 +184,15 @@ def _emergency(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_emergency_save_waits_then_saves_when_the_deadline_allows(
-        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     m, steps = _emergency(run_dir, tmp_path, monkeypatch, lead_s=600.0)
     assert m.step == 3 and steps == [3, 2, 1]
 
 
 def test_emergency_save_commits_the_inflight_snapshot_when_late(
-        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     m, steps = _emergency(run_dir, tmp_path, monkeypatch, lead_s=0.001)
     assert m.step == 2 and steps == [2, 1]
     assert "committed the in-flight snapshot of step 2" in caplog.text
@@ -205,7 +209,8 @@ def test_async_save_of_a_step_already_committed_returns_it(run_dir: Path) -> Non
 
 
 def test_emergency_save_goes_ahead_when_the_inflight_save_failed(
-        small_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cdir = tmp_path / "control"
     monkeypatch.setenv("CKRUN_CONTROL_DIR", str(cdir))
     run = small_fs / "run"

@@ -17,16 +17,21 @@ from ckrun.storage.local import LocalStorage
 
 def _tree(big: int, seed: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
-    return {"big": torch.randn(big, generator=g),  # spans several 32 MiB requests
-            "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
-            "flags": torch.rand(7, generator=g) > 0.5, "step": torch.tensor(seed),
-            "empty": torch.zeros(0, 4), "t": torch.randn(6, 4, generator=g).t(),
-            "rng": np.random.RandomState(seed).randint(0, 1 << 31, 624).astype(np.uint32),
-            "meta": {"x": [1, "a"]}}
+    return {
+        "big": torch.randn(big, generator=g),  # spans several 32 MiB requests
+        "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "flags": torch.rand(7, generator=g) > 0.5,
+        "step": torch.tensor(seed),
+        "empty": torch.zeros(0, 4),
+        "t": torch.randn(6, 4, generator=g).t(),
+        "rng": np.random.RandomState(seed).randint(0, 1 << 31, 624).astype(np.uint32),
+        "meta": {"x": [1, "a"]},
+    }
 
 
-def _write(st: LocalStorage, key: str, snap: fmt.Snapshot,
-           open_shard: object = None) -> tuple[bytes, int, str]:
+def _write(
+    st: LocalStorage, key: str, snap: fmt.Snapshot, open_shard: object = None
+) -> tuple[bytes, int, str]:
     w = (open_shard or st.open_write)(key)  # type: ignore[operator]
     size, crc = fmt.write_shard(w, snap)
     w.commit()

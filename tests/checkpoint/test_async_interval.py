@@ -40,17 +40,33 @@ def _ev(kind: str, attempt: int, t: float, **kw: object) -> str:
     import datetime as dt
 
     utc = dt.datetime.fromtimestamp(1_800_000_000 + t, dt.timezone.utc)
-    return json.dumps({"utc": utc.isoformat().replace("+00:00", "Z"), "run": "r",
-                       "attempt": attempt, "kind": kind, **kw}) + "\n"
+    return (
+        json.dumps(
+            {
+                "utc": utc.isoformat().replace("+00:00", "Z"),
+                "run": "r",
+                "attempt": attempt,
+                "kind": kind,
+                **kw,
+            }
+        )
+        + "\n"
+    )
 
 
 def _history(tmp_path: Path) -> Path:
     lines = [
-        _ev("spawn", 0, 0), _ev("notice", 0, 3000), _ev("preempted", 0, 3005),
-        _ev("attempt_end", 0, 3010, commits=[{"step": 100, "save_s": 1.0},
-                                             {"step": 200, "save_s": 3.0}]),
-        _ev("spawn", 1, 3020), _ev("attempt_end", 1, 6020, commits=[{"step": 300,
-                                                                      "save_s": 2.0}]),
+        _ev("spawn", 0, 0),
+        _ev("notice", 0, 3000),
+        _ev("preempted", 0, 3005),
+        _ev(
+            "attempt_end",
+            0,
+            3010,
+            commits=[{"step": 100, "save_s": 1.0}, {"step": 200, "save_s": 3.0}],
+        ),
+        _ev("spawn", 1, 3020),
+        _ev("attempt_end", 1, 6020, commits=[{"step": 300, "save_s": 2.0}]),
         '{"torn line\n',
     ]
     (tmp_path / "events.jsonl").write_text("".join(lines))
@@ -76,8 +92,9 @@ def test_history_from_synthetic_events(tmp_path: Path, monkeypatch: pytest.Monke
         iv.from_history(str(root))
 
 
-def test_no_history_uses_the_prior_and_bounds(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_history_uses_the_prior_and_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("CKRUN_MTBI_S", raising=False)
     est = iv.from_history(str(tmp_path))
     assert est.mtbi_source == "prior" and est.save_cost_s is None
@@ -92,8 +109,14 @@ def test_auto_interval_decision_with_a_clock() -> None:
     now = [0.0]
     auto = iv.AutoInterval(lambda: (2.0, 0.0), mtbi_s=3600.0, clock=lambda: now[0])
     assert auto.current().interval_s == pytest.approx(120.0)
-    for t, want in ((0.0, False), (121.0, False), (122.0, True), (123.0, False),
-                    (243.0, False), (244.0, True)):
+    for t, want in (
+        (0.0, False),
+        (121.0, False),
+        (122.0, True),
+        (123.0, False),
+        (243.0, False),
+        (244.0, True),
+    ):
         now[0] = t
         assert auto.due() is want, t
 
@@ -102,15 +125,18 @@ def test_checkpointer_should_save(run_dir: Path, monkeypatch: pytest.MonkeyPatch
     with ckrun.Checkpointer(storage=str(run_dir), checkpoint_every=4) as ck:
         assert [s for s in range(13) if ck.should_save(s)] == [4, 8, 12]
         assert ck.interval() is None
-    with ckrun.Checkpointer(storage=str(run_dir), lock=False) as ck, \
-            pytest.raises(ConfigError, match="checkpoint_every"):
+    with (
+        ckrun.Checkpointer(storage=str(run_dir), lock=False) as ck,
+        pytest.raises(ConfigError, match="checkpoint_every"),
+    ):
         ck.should_save(1)
     for bad in ("sometimes", 0, 2.5, True):
         with pytest.raises(ConfigError):
             ckrun.Checkpointer(storage=str(run_dir), checkpoint_every=bad)
     monkeypatch.delenv("CKRUN_CONTROL_DIR", raising=False)
-    with ckrun.Checkpointer(storage=str(run_dir), checkpoint_every="auto", mtbi_s=50.0,
-                            lock=False) as ck:
+    with ckrun.Checkpointer(
+        storage=str(run_dir), checkpoint_every="auto", mtbi_s=50.0, lock=False
+    ) as ck:
         assert ck.should_save(1) is False  # nothing measured yet: the minimum interval
         ck.async_save(1, {"w": torch.ones(10)}).result(30)
         est = ck.interval()

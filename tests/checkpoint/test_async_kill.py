@@ -25,7 +25,8 @@ def _expect(p: subprocess.Popen[str], want: str) -> None:
     assert p.stdout is not None
     line = p.stdout.readline().strip()
     assert line == want, f"child said {line!r}, expected {want!r}: " + (
-        p.stderr.read() if p.stderr and p.poll() is not None else "")
+        p.stderr.read() if p.stderr and p.poll() is not None else ""
+    )
 
 
 def _load(run: Path) -> tuple[int, torch.Tensor]:
@@ -48,8 +49,12 @@ def _poll(cond: object, timeout_s: float = 60.0) -> None:
 
 def test_kill_during_background_persist_keeps_previous(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, PROG, str(run), "stall"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, PROG, str(run), "stall"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _expect(p, "durable 1")
         _expect(p, "returned 2")
@@ -81,13 +86,20 @@ def test_kill_during_zero_copy_persist_keeps_previous(tmp_path: Path) -> None:
     for trial in range(5):
         run = tmp_path / f"run{trial}"
         step2 = run / layout.step_prefix(2)
-        p = subprocess.Popen([sys.executable, PROG, str(run), "plain"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, PROG, str(run), "plain"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             _expect(p, "durable 1")
             _expect(p, "returned 2")
-            _poll(lambda d=step2: any(f.stat().st_size for f in d.glob(".ckrun-tmp-*"))
-                  if d.exists() else False)
+            _poll(
+                lambda d=step2: (
+                    any(f.stat().st_size for f in d.glob(".ckrun-tmp-*")) if d.exists() else False
+                )
+            )
             os.kill(p.pid, signal.SIGKILL)
             assert p.wait(30) == -signal.SIGKILL
         finally:
@@ -112,8 +124,12 @@ def test_kill_at_random_moments_of_an_async_save_loop(tmp_path: Path) -> None:
     run = tmp_path / "run"
     newest = -1
     for trial in range(int(os.environ.get("CKRUN_ASYNC_KILL_TRIALS", "4"))):
-        p = subprocess.Popen([sys.executable, PROG, str(run), "loop"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, PROG, str(run), "loop"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert p.stdout is not None
         first = p.stdout.readline().strip()  # after import and load: the saves have begun
         assert first.startswith("durable "), first + (p.stderr.read() if p.stderr else "")

@@ -21,8 +21,13 @@ TOTAL = 13
 
 def _train(run_dir: Path, stop_at: int, out: Path, async_: bool) -> int:
     env = dict(os.environ, PYTHONHASHSEED="0", CKRUN_TEST_ASYNC="1" if async_ else "0")
-    r = subprocess.run([sys.executable, PROG, str(run_dir), str(TOTAL), str(stop_at), str(out)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [sys.executable, PROG, str(run_dir), str(TOTAL), str(stop_at), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode in (0, 75), r.stderr
     assert "failed at exit" not in r.stderr, r.stderr
     return r.returncode

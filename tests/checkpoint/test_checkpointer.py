@@ -44,10 +44,10 @@ def _shard_path(run_dir: Path, m: ckrun.Manifest) -> str:
 def test_save_load_roundtrip_and_manifest_fields(run_dir: Path) -> None:
     s1 = make_state(1)
     with _ck(run_dir) as ck:
-        m = ck.save(5, s1, metrics={"loss": 0.5, "nan": float("nan"),
-                                    "t": torch.tensor(2.0), "n": 3})
-    assert (m.step, m.kind, m.attempt, m.world_size, m.resumed_from) == (5, "recovery", 0, 1,
-                                                                        None)
+        m = ck.save(
+            5, s1, metrics={"loss": 0.5, "nan": float("nan"), "t": torch.tensor(2.0), "n": 3}
+        )
+    assert (m.step, m.kind, m.attempt, m.world_size, m.resumed_from) == (5, "recovery", 0, 1, None)
     assert m.save_duration_s > 0 and m.total_size_bytes == m.shards[0].size_bytes > 0
     assert m.compat["optimizer"] == "AdamW" and m.compat["scheduler"] == "StepLR"
     assert m.metrics == {"loss": 0.5, "nan": "nan", "t": 2.0, "n": 3}
@@ -60,8 +60,11 @@ def test_save_load_roundtrip_and_manifest_fields(run_dir: Path) -> None:
         assert got is not None and got.step == 5 and ck2.resumed_from == 5
         m2 = ck2.save(6, s2)
     assert params_equal(s1, s2) and m2.resumed_from == 5
-    assert s2["optimizer"].state_dict()["state"][0]["exp_avg"].equal(
-        s1["optimizer"].state_dict()["state"][0]["exp_avg"])
+    assert (
+        s2["optimizer"]
+        .state_dict()["state"][0]["exp_avg"]
+        .equal(s1["optimizer"].state_dict()["state"][0]["exp_avg"])
+    )
     assert s2["scheduler"].last_epoch == s1["scheduler"].last_epoch
 
 
@@ -113,11 +116,14 @@ def _edit_manifest(run_dir: Path, step: int, edit: object) -> None:
     p.write_text(json.dumps(body))
 
 
-@pytest.mark.parametrize("edit", [
-    lambda b: b.update(format_version=999),
-    lambda b: b["shards"][0].update(key="../../outside.ckpt"),
-    lambda b: b["shards"][0].update(key="/etc/passwd"),
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda b: b.update(format_version=999),
+        lambda b: b["shards"][0].update(key="../../outside.ckpt"),
+        lambda b: b["shards"][0].update(key="/etc/passwd"),
+    ],
+)
 def test_bad_manifest_skipped(run_dir: Path, edit: object) -> None:
     s = make_state(1)
     with _ck(run_dir) as ck:
@@ -195,8 +201,9 @@ def test_allow_change_records_drift(run_dir: Path) -> None:
     assert m.compat["config"]["lr"] == 3e-4
 
 
-def test_optimizer_type_is_strict_and_versions_warn(run_dir: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_optimizer_type_is_strict_and_versions_warn(
+    run_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with _ck(run_dir) as ck:
         ck.save(1, make_state())
     man = run_dir / layout.manifest_key(1)
@@ -241,8 +248,12 @@ def test_finalize_marker_and_refusal(run_dir: Path) -> None:
 
 def test_milestones_and_foreign_files_survive_retention(run_dir: Path) -> None:
     run_dir.mkdir(parents=True)
-    foreign = ["run.json", "events.jsonl", "checkpoints/NOTES.txt",
-               "checkpoints/step-0000000001/user-file.pt"]
+    foreign = [
+        "run.json",
+        "events.jsonl",
+        "checkpoints/NOTES.txt",
+        "checkpoints/step-0000000001/user-file.pt",
+    ]
     for f in foreign:
         (run_dir / f).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / f).write_text("mine")
@@ -289,8 +300,9 @@ def test_second_writer_gets_run_locked(run_dir: Path) -> None:
         f"ck = ckrun.Checkpointer(storage={str(run_dir)!r}, attempt=7)\n"
         "ck.save(1, {'w': torch.ones(2)}); print('holding', flush=True); sys.stdin.read()\n"
     )
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "holding"
         with pytest.raises(RunLocked) as ei:
@@ -343,8 +355,15 @@ def test_save_handle_and_snapshot_persist_split(run_dir: Path) -> None:
                 p.add_(1)
         import time as _t
 
-        m = ck.persist(2, snap, kind="recovery", compat=ck.compat_block(s), metrics=None,
-                       created_utc="2026-01-01T00:00:00.000000Z", started=_t.monotonic())
+        m = ck.persist(
+            2,
+            snap,
+            kind="recovery",
+            compat=ck.compat_block(s),
+            metrics=None,
+            created_utc="2026-01-01T00:00:00.000000Z",
+            started=_t.monotonic(),
+        )
     s2 = make_state(9)
     with _ck(run_dir) as ck2:
         assert ck2.load(s2).step == m.step == 2  # type: ignore[union-attr]

@@ -81,6 +81,5 @@ def test_ls_and_verify_do_not_import_torch(run_dir: Path) -> None:
         f"assert CliRunner().invoke(verify, [{str(run_dir)!r}]).exit_code == 0\n"
         "assert 'torch' not in sys.modules\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

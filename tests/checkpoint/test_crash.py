@@ -64,8 +64,11 @@ def _check(run_dir: Path, last: int, trial: int) -> int:
     assert newest.step >= last, f"trial {trial}: save {last} returned, newest {newest.step}"
     for m in sc.manifests:
         assert verify_manifest(st, m) == [], f"trial {trial}: step {m.step} does not verify"
-    state = {"w": torch.zeros(SIZE), "b": torch.zeros(SIZE, dtype=torch.int64),
-             "extra": {"step": -1}}
+    state = {
+        "w": torch.zeros(SIZE),
+        "b": torch.zeros(SIZE, dtype=torch.int64),
+        "extra": {"step": -1},
+    }
     with ckrun.Checkpointer(storage=str(run_dir), rng=False) as ck:
         m = ck.load(state)
     assert m is not None and m.step == newest.step
@@ -81,8 +84,13 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
     seed = int(os.environ.get("CKRUN_CRASH_SEED", random.randrange(1 << 30)))
     rnd = random.Random(seed)
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, PROG], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, PROG],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     newest = -1
     try:
         for trial in range(trials):

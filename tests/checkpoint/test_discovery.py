@@ -61,7 +61,6 @@ def test_discovery_does_not_import_torch(run_dir: Path) -> None:
         f"{str(run_dir)!r})))\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("1 ['launch_hash: <absent> → x']")

@@ -18,9 +18,13 @@ TOTAL = 13
 
 
 def _train(run_dir: Path, stop_at: int, out: Path) -> int:
-    r = subprocess.run([sys.executable, PROG, str(run_dir), str(TOTAL), str(stop_at), str(out)],
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONHASHSEED="0"))
+    r = subprocess.run(
+        [sys.executable, PROG, str(run_dir), str(TOTAL), str(stop_at), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONHASHSEED="0"),
+    )
     assert r.returncode in (0, 75), r.stderr
     return r.returncode
 

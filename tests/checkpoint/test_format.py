@@ -30,24 +30,44 @@ def _write(obj: Any, tmp_path: Any) -> tuple[bytes, str]:
 
 
 def _read(data: bytes, crc: str, size: int | None = None) -> Any:
-    return fmt.read_shard(io.BytesIO(data), size_bytes=len(data) if size is None else size,
-                          checksum=crc, key="s.ckpt")
+    return fmt.read_shard(
+        io.BytesIO(data), size_bytes=len(data) if size is None else size, checksum=crc, key="s.ckpt"
+    )
 
 
 def test_roundtrip_every_value_kind(tmp_path: Any) -> None:
     od: OrderedDict[str, Any] = OrderedDict(w=torch.arange(6.0).reshape(2, 3))
     od._metadata = {"": {"version": 2}}  # type: ignore[attr-defined]
     obj = {
-        "dtypes": {str(d): torch.ones(3, dtype=d) for d in
-                   (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
-                    torch.uint8, torch.complex64, torch.float8_e4m3fn)},
-        "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
+        "dtypes": {
+            str(d): torch.ones(3, dtype=d)
+            for d in (
+                torch.float32,
+                torch.float16,
+                torch.bfloat16,
+                torch.int64,
+                torch.bool,
+                torch.uint8,
+                torch.complex64,
+                torch.float8_e4m3fn,
+            )
+        },
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
         "noncontig": torch.arange(12.0).reshape(3, 4).t(),
-        "np": np.arange(5, dtype=np.int32), "npscalar": np.float64(2.5),
-        "tuple": (1, "a", None, True), "intkeys": {0: "x", (1, 2): "y"},
-        "floats": [math.inf, -math.inf, 0.1], "nan": math.nan, "bytes": b"\x00\xff",
-        "dtype": torch.bfloat16, "size": torch.Size([2, 3]), "device": torch.device("cpu"),
-        "odict": od, "__ckrun__": "user key that looks like a tag", "big": 2**70,
+        "np": np.arange(5, dtype=np.int32),
+        "npscalar": np.float64(2.5),
+        "tuple": (1, "a", None, True),
+        "intkeys": {0: "x", (1, 2): "y"},
+        "floats": [math.inf, -math.inf, 0.1],
+        "nan": math.nan,
+        "bytes": b"\x00\xff",
+        "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]),
+        "device": torch.device("cpu"),
+        "odict": od,
+        "__ckrun__": "user key that looks like a tag",
+        "big": 2**70,
     }
     data, crc = _write(obj, tmp_path)
     got = _read(data, crc)
@@ -74,8 +94,9 @@ def test_loaded_tensors_do_not_alias_the_file_buffer(tmp_path: Any) -> None:
     assert torch.equal(got["b"], torch.zeros(4))
 
 
-@pytest.mark.parametrize("bad", [object(), lambda: 1, {1, 2},
-                                 torch.ones(2).to_sparse(), np.array([object()])])
+@pytest.mark.parametrize(
+    "bad", [object(), lambda: 1, {1, 2}, torch.ones(2).to_sparse(), np.array([object()])]
+)
 def test_unsupported_values_refused(bad: Any) -> None:
     with pytest.raises(CheckpointError, match=r"state\.x"):
         fmt.snapshot({"x": bad})
@@ -137,13 +158,16 @@ def test_unknown_shard_version(tmp_path: Any) -> None:
         _read(bad, "crc32c:00000000")
 
 
-@pytest.mark.parametrize("edit", [
-    lambda m: m["tensors"][0].update(dtype="object"),
-    lambda m: m["tensors"][0].update(shape=[10**6]),
-    lambda m: m["tensors"][0].update(offset=-64),
-    lambda m: m.update(tree={"__ckrun__": "pickle", "data": "x"}),
-    lambda m: m.update(tree={"__ckrun__": "tensor", "i": 7}),
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m["tensors"][0].update(dtype="object"),
+        lambda m: m["tensors"][0].update(shape=[10**6]),
+        lambda m: m["tensors"][0].update(offset=-64),
+        lambda m: m.update(tree={"__ckrun__": "pickle", "data": "x"}),
+        lambda m: m.update(tree={"__ckrun__": "tensor", "i": 7}),
+    ],
+)
 def test_hostile_header_refused_without_allocation(tmp_path: Any, edit: Any) -> None:
     data, _ = _write({"w": torch.ones(4)}, tmp_path)
     with pytest.raises(CorruptCheckpoint):

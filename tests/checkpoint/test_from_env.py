@@ -23,11 +23,21 @@ print("saved", ck.save({step}, state).compat.get("launch_hash"), flush=True)
 
 
 def _child(run_dir: Path, step: int, mv: str = "v1", **env: str) -> subprocess.CompletedProcess:
-    e = dict(os.environ, CKRUN_STORAGE=str(run_dir), CKRUN_RUN="demo", CKRUN_ATTEMPT="3",
-             CKRUN_CONFIG_HASH="ab12")
+    e = dict(
+        os.environ,
+        CKRUN_STORAGE=str(run_dir),
+        CKRUN_RUN="demo",
+        CKRUN_ATTEMPT="3",
+        CKRUN_CONFIG_HASH="ab12",
+    )
     e.update(env)
-    return subprocess.run([sys.executable, "-c", SCRIPT.format(step=step, mv=mv)], env=e,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(step=step, mv=mv)],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_env_configures_and_incompatible_exits_4(run_dir: Path) -> None:
@@ -41,10 +51,15 @@ def test_env_configures_and_incompatible_exits_4(run_dir: Path) -> None:
     assert r.returncode == 0 and "loaded 1 3 demo" in r.stdout
 
 
-def test_storage_kwarg_and_missing_storage(monkeypatch: pytest.MonkeyPatch,
-                                           run_dir: Path) -> None:
-    for k in ("CKRUN_STORAGE", "CKRUN_CONFIG_HASH", "CKRUN_ALLOW_CHANGE", "CKRUN_ATTEMPT",
-              "CKRUN_RESUME_STEP", "CKRUN_CONTROL_DIR"):
+def test_storage_kwarg_and_missing_storage(monkeypatch: pytest.MonkeyPatch, run_dir: Path) -> None:
+    for k in (
+        "CKRUN_STORAGE",
+        "CKRUN_CONFIG_HASH",
+        "CKRUN_ALLOW_CHANGE",
+        "CKRUN_ATTEMPT",
+        "CKRUN_RESUME_STEP",
+        "CKRUN_CONTROL_DIR",
+    ):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(ConfigError, match="CKRUN_STORAGE"):
         ckrun.Checkpointer.from_env(compat={})

@@ -15,12 +15,22 @@ from ckrun.errors import CorruptCheckpoint
 def _manifest(**kw: Any) -> Manifest:
     key = layout.shard_key(7, 0, 2)
     base: dict[str, Any] = dict(
-        run="r", step=7, kind="recovery", attempt=2, world_size=1,
-        shards=(ShardInfo(key, 0, 100, "crc32c:0000abcd"),), compat={"config": {"lr": 0.1}},
-        metrics={"loss": 1.5}, resumed_from=3, created_utc="2026-01-01T00:00:00.000000Z",
-        committed_utc="2026-01-01T00:00:01.000000Z", save_duration_s=1.25,
-        versions={"ckrun": "0.1.0"}, compat_drift=("config.lr: 0.2 → 0.1",),
-        key=layout.manifest_key(7))
+        run="r",
+        step=7,
+        kind="recovery",
+        attempt=2,
+        world_size=1,
+        shards=(ShardInfo(key, 0, 100, "crc32c:0000abcd"),),
+        compat={"config": {"lr": 0.1}},
+        metrics={"loss": 1.5},
+        resumed_from=3,
+        created_utc="2026-01-01T00:00:00.000000Z",
+        committed_utc="2026-01-01T00:00:01.000000Z",
+        save_duration_s=1.25,
+        versions={"ckrun": "0.1.0"},
+        compat_drift=("config.lr: 0.2 → 0.1",),
+        key=layout.manifest_key(7),
+    )
     base.update(kw)
     return Manifest(**base)
 
@@ -40,22 +50,25 @@ def _mutated(edit: Any) -> bytes:
     return json.dumps(body).encode()
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda b: b["shards"][0].update(key="../../etc/passwd"), "rejected"),
-    (lambda b: b["shards"][0].update(key="/abs/shard.ckpt"), "rejected"),
-    (lambda b: b["shards"][0].update(key="checkpoints/step-0000000007/../x"), "rejected"),
-    (lambda b: b["shards"][0].update(key="run.json"), "not a ckrun shard"),
-    (lambda b: b["shards"][0].update(key=layout.shard_key(8, 0, 1)), "not a ckrun shard"),
-    (lambda b: b["shards"][0].update(checksum="sha256:abc"), "checksum"),
-    (lambda b: b["shards"][0].update(size_bytes=-1), "negative"),
-    (lambda b: b.update(world_size=2), "ranks"),
-    (lambda b: b.update(kind="weird"), "kind"),
-    (lambda b: b.update(step="7"), "step"),
-    (lambda b: b.update(extra_field=1), "unknown fields"),
-    (lambda b: b.pop("compat"), "missing fields"),
-    (lambda b: b.update(save_duration_s="fast"), "save_duration_s"),
-    (lambda b: b.update(resumed_from=True), "resumed_from"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda b: b["shards"][0].update(key="../../etc/passwd"), "rejected"),
+        (lambda b: b["shards"][0].update(key="/abs/shard.ckpt"), "rejected"),
+        (lambda b: b["shards"][0].update(key="checkpoints/step-0000000007/../x"), "rejected"),
+        (lambda b: b["shards"][0].update(key="run.json"), "not a ckrun shard"),
+        (lambda b: b["shards"][0].update(key=layout.shard_key(8, 0, 1)), "not a ckrun shard"),
+        (lambda b: b["shards"][0].update(checksum="sha256:abc"), "checksum"),
+        (lambda b: b["shards"][0].update(size_bytes=-1), "negative"),
+        (lambda b: b.update(world_size=2), "ranks"),
+        (lambda b: b.update(kind="weird"), "kind"),
+        (lambda b: b.update(step="7"), "step"),
+        (lambda b: b.update(extra_field=1), "unknown fields"),
+        (lambda b: b.pop("compat"), "missing fields"),
+        (lambda b: b.update(save_duration_s="fast"), "save_duration_s"),
+        (lambda b: b.update(resumed_from=True), "resumed_from"),
+    ],
+)
 def test_rejected(edit: Any, match: str) -> None:
     with pytest.raises(CorruptCheckpoint, match=match):
         Manifest.loads(_mutated(edit), key="m")
@@ -83,8 +96,13 @@ def test_final_manifest_keys_live_under_final() -> None:
 
 def test_marker_roundtrip_and_rejects() -> None:
     key = layout.shard_key(9, 0, 0, "final")
-    m = _manifest(step=9, kind="final", shards=(ShardInfo(key, 0, 1, "crc32c:00000001"),),
-                  key=layout.manifest_key(9, "final"), compat={"launch_hash": "h1"})
+    m = _manifest(
+        step=9,
+        kind="final",
+        shards=(ShardInfo(key, 0, 1, "crc32c:00000001"),),
+        key=layout.manifest_key(9, "final"),
+        compat={"launch_hash": "h1"},
+    )
     mk = CompletionMarker.for_manifest(m)
     back = CompletionMarker.loads(mk.dumps())
     assert back == mk and back.config_hash == "h1" and back.shard_count == 1
@@ -104,6 +122,11 @@ def test_layout_parse() -> None:
     p = layout.parse(k)
     assert p is not None and (p.step, p.rank, p.attempt, p.is_manifest) == (12, 3, 45, False)
     assert layout.parse("checkpoints/step-0000000012/manifest.json") is not None
-    for foreign in ["run.json", "checkpoints/notes.txt", "checkpoints/step-12/manifest.json",
-                    "checkpoints/step-0000000012/shard-r0-a1-x.ckpt", "events.jsonl"]:
+    for foreign in [
+        "run.json",
+        "checkpoints/notes.txt",
+        "checkpoints/step-12/manifest.json",
+        "checkpoints/step-0000000012/shard-r0-a1-x.ckpt",
+        "events.jsonl",
+    ]:
         assert layout.parse(foreign) is None

@@ -7,21 +7,27 @@ from ckrun.checkpoint import retention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-steps_st = st.dictionaries(st.integers(0, 500), st.sampled_from(["recovery", "milestone"]),
-                           max_size=40)
+steps_st = st.dictionaries(
+    st.integers(0, 500), st.sampled_from(["recovery", "milestone"]), max_size=40
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(steps=steps_st, keep_last=st.integers(1, 6),
-       milestone_every=st.one_of(st.none(), st.integers(1, 50)),
-       resumed=st.one_of(st.none(), st.integers(0, 500)))
-def test_selection_properties(steps: dict[int, str], keep_last: int,
-                              milestone_every: int | None, resumed: int | None) -> None:
+@given(
+    steps=steps_st,
+    keep_last=st.integers(1, 6),
+    milestone_every=st.one_of(st.none(), st.integers(1, 50)),
+    resumed=st.one_of(st.none(), st.integers(0, 500)),
+)
+def test_selection_properties(
+    steps: dict[int, str], keep_last: int, milestone_every: int | None, resumed: int | None
+) -> None:
     protect = set() if resumed is None else {resumed}
     if steps:
         protect.add(max(steps))  # the checkpoint just committed
-    drop = retention.select(steps, keep_last=keep_last, milestone_every=milestone_every,
-                            protect=protect)
+    drop = retention.select(
+        steps, keep_last=keep_last, milestone_every=milestone_every, protect=protect
+    )
     assert drop <= set(steps)
     if steps:
         assert max(steps) not in drop

@@ -40,8 +40,7 @@ def test_with_dataloader_and_set_epoch() -> None:
     s2.load_state_dict(sd)
     s2.set_epoch(0)  # the resumed epoch: position kept
     rest = list(DataLoader(data, batch_size=4, sampler=s2))  # type: ignore[arg-type]
-    ref = list(DataLoader(data, batch_size=4,
-                          sampler=ckrun.ResumableSampler(data, seed=1)))  # type: ignore[arg-type]
+    ref = list(DataLoader(data, batch_size=4, sampler=ckrun.ResumableSampler(data, seed=1)))  # type: ignore[arg-type]
     assert [b.tolist() for b in batches + rest] == [b.tolist() for b in ref]
     s2.set_epoch(5)
     assert s2.position == 0 and s2.epoch == 5

@@ -18,9 +18,28 @@ TINY = str(Path(__file__).with_name("tiny_train.py"))
 
 def _check(tmp_path: Path, *extra: str, seed: int = 5) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ckrun", "check-resume", "-k", "3", "--seed", str(seed),
-         "--workdir", str(tmp_path), "--timeout", "300", "--", sys.executable, TINY, *extra],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "ckrun",
+            "check-resume",
+            "-k",
+            "3",
+            "--seed",
+            str(seed),
+            "--workdir",
+            str(tmp_path),
+            "--timeout",
+            "300",
+            "--",
+            sys.executable,
+            TINY,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_drill_counts() -> None:
@@ -54,11 +73,14 @@ def test_correct_loop_passes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bug,entry", [
-    ("no-sampler", "user.model"),
-    ("extra-draw", "user.model"),
-    ("no-scheduler", "user.optimizer.param_groups"),
-])
+@pytest.mark.parametrize(
+    "bug,entry",
+    [
+        ("no-sampler", "user.model"),
+        ("extra-draw", "user.model"),
+        ("no-scheduler", "user.optimizer.param_groups"),
+    ],
+)
 def test_broken_loops_fail_with_first_divergence(tmp_path: Path, bug: str, entry: str) -> None:
     r = _check(tmp_path, "--bug", bug)
     assert r.returncode == 1, r.stdout + r.stderr

@@ -35,9 +35,24 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def test_endpoint_from_cli_reaches_preflight_and_child(tmp_path: Path, moto_s3: Any) -> None:
     bucket = moto_s3.new_bucket()
-    argv = [sys.executable, "-m", "ckrun", "submit", "--run", "r1", "--storage",
-            f"s3://{bucket}/runs", "--set", f"endpoint_url={moto_s3.endpoint}",
-            "--set", "s3_max_attempts=3", "--", sys.executable, "-c", CHILD]
+    argv = [
+        sys.executable,
+        "-m",
+        "ckrun",
+        "submit",
+        "--run",
+        "r1",
+        "--storage",
+        f"s3://{bucket}/runs",
+        "--set",
+        f"endpoint_url={moto_s3.endpoint}",
+        "--set",
+        "s3_max_attempts=3",
+        "--",
+        sys.executable,
+        "-c",
+        CHILD,
+    ]
     r = subprocess.run(argv, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "finalized" in r.stdout
@@ -47,9 +62,22 @@ def test_endpoint_from_cli_reaches_preflight_and_child(tmp_path: Path, moto_s3: 
 
 
 def test_missing_bucket_fails_at_preflight(tmp_path: Path, moto_s3: Any) -> None:
-    argv = [sys.executable, "-m", "ckrun", "submit", "--run", "r2", "--storage",
-            "s3://no-such-bucket-ckrun/runs", "--set", f"endpoint_url={moto_s3.endpoint}",
-            "--", sys.executable, "-c", "print('child started')"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ckrun",
+        "submit",
+        "--run",
+        "r2",
+        "--storage",
+        "s3://no-such-bucket-ckrun/runs",
+        "--set",
+        f"endpoint_url={moto_s3.endpoint}",
+        "--",
+        sys.executable,
+        "-c",
+        "print('child started')",
+    ]
     r = subprocess.run(argv, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert r.returncode == 5, r.stdout + r.stderr
     assert "child started" not in r.stdout

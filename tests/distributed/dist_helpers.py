@@ -24,20 +24,35 @@ def free_port() -> int:
 def rank_env(rank: int, world: int, port: int, storage: str, **extra: str) -> dict[str, str]:
     """Environment of one rank (what torchrun would set) with CKRUN_STORAGE."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKRUN_")}
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CKRUN_STORAGE=storage,
-               CKRUN_RUN="dist", OMP_NUM_THREADS="1", **extra)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        CKRUN_STORAGE=storage,
+        CKRUN_RUN="dist",
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
     return env
 
 
-def start_world(world: int, storage: str, args: list[str],
-                **extra: str) -> list[subprocess.Popen[str]]:
+def start_world(
+    world: int, storage: str, args: list[str], **extra: str
+) -> list[subprocess.Popen[str]]:
     """Start ``world`` rank processes of dist_train.py (no supervisor, no torchrun)."""
     port = free_port()
-    return [subprocess.Popen([sys.executable, TRAIN, *args],
-                             env=rank_env(r, world, port, storage, **extra),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in range(world)]
+    return [
+        subprocess.Popen(
+            [sys.executable, TRAIN, *args],
+            env=rank_env(r, world, port, storage, **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
 
 
 def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[int]:
@@ -56,8 +71,9 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[i
     return codes
 
 
-def run_world(world: int, storage: str, args: list[str], timeout: float = 120,
-              **extra: str) -> list[int]:
+def run_world(
+    world: int, storage: str, args: list[str], timeout: float = 120, **extra: str
+) -> list[int]:
     """Run ``world`` ranks to the end; their output is shown when a rank failed."""
     procs = start_world(world, storage, args, **extra)
     codes = wait_all(procs, timeout)

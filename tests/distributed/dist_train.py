@@ -151,8 +151,11 @@ def main() -> int:
     ckpt.load(state)
     step = int(state["extra"]["step"])
     if args.load_only:
-        dump(f"{args.load_only}.{rank}.json", net,
-             {"sampler": sampler.state_dict(), "step": step, "world": world})
+        dump(
+            f"{args.load_only}.{rank}.json",
+            net,
+            {"sampler": sampler.state_dict(), "step": step, "world": world},
+        )
         return 0
     x, y = data()
     it = iter(sampler)

@@ -21,8 +21,7 @@ def test_collective_save_commits_one_manifest_with_every_shard(tmp_path: Path) -
     root = tmp_path / "run"
     run_world(2, str(root), ["--steps", "6", "--save-every", "3"])
     ms = manifests(root)
-    assert [(m["step"], m["kind"]) for m in ms] == [(3, "recovery"), (6, "recovery"),
-                                                   (6, "final")]
+    assert [(m["step"], m["kind"]) for m in ms] == [(3, "recovery"), (6, "recovery"), (6, "final")]
     for m in ms:
         assert m["world_size"] == 2 and [s["rank"] for s in m["shards"]] == [0, 1]
         assert m["compat"]["world_size"] == 2
@@ -34,13 +33,18 @@ def test_collective_save_commits_one_manifest_with_every_shard(tmp_path: Path) -
     assert os.path.exists(root / "COMPLETE.json")
 
 
-@pytest.mark.parametrize(("w_save", "w_load"),
-                         [(2, 1), (1, 2), (4, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("w_save", "w_load"), [(2, 1), (1, 2), (4, 2), pytest.param(2, 2, marks=pytest.mark.slow)]
+)
 def test_resume_on_another_world_size_loads_the_same_parameters(
-        tmp_path: Path, w_save: int, w_load: int) -> None:
+    tmp_path: Path, w_save: int, w_load: int
+) -> None:
     root, out = tmp_path / "run", tmp_path / "loaded"
-    run_world(w_save, str(root), ["--steps", "9", "--save-every", "9",
-                                  "--dump", str(tmp_path / "saved.json")])
+    run_world(
+        w_save,
+        str(root),
+        ["--steps", "9", "--save-every", "9", "--dump", str(tmp_path / "saved.json")],
+    )
     saved = _params(read_json(tmp_path / "saved.json"))
     run_world(w_load, str(root), ["--load-only", str(out)])
     for r in range(w_load):
@@ -68,15 +72,19 @@ def test_a_corrupt_shard_on_one_rank_makes_every_rank_fall_back(tmp_path: Path) 
 
 def test_a_rank_killed_mid_save_commits_nothing(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    procs = start_world(2, str(root), ["--steps", "20", "--save-every", "3",
-                                       "--fault", "kill:1:6"],
-                        CKRUN_COLLECTIVE_TIMEOUT_S="60")
+    procs = start_world(
+        2,
+        str(root),
+        ["--steps", "20", "--save-every", "3", "--fault", "kill:1:6"],
+        CKRUN_COLLECTIVE_TIMEOUT_S="60",
+    )
     codes = wait_all(procs, timeout=120)
     assert codes[1] == -9  # SIGKILL while writing its shard of step 6
     assert codes[0] != 0  # rank 0's gather failed: it did not commit or carry on
     ms = manifests(root)
     assert [m["step"] for m in ms] == [3]
-    assert shard_files(root, 6) and not (root / "checkpoints/step-0000000006/manifest.json"
-                                         ).exists()
+    assert (
+        shard_files(root, 6) and not (root / "checkpoints/step-0000000006/manifest.json").exists()
+    )
     for m in ms:  # every committed checkpoint has every shard, at its size
         assert all(os.path.getsize(root / s["key"]) == s["size_bytes"] for s in m["shards"])

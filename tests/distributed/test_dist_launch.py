@@ -32,7 +32,10 @@ def test_a_script_runs_under_torchrun_with_the_grace_as_shutdown_timeout() -> No
 
 def test_modules_and_other_programs() -> None:
     assert torchrun.wrap((PY, "-m", "pkg.train", "-a"), nproc_per_node=2)[-3:] == (
-        "-m", "pkg.train", "-a")
+        "-m",
+        "pkg.train",
+        "-a",
+    )
     argv = torchrun.wrap(("bash", "-c", "python t.py"), nproc_per_node=2)
     assert argv[0] == "python3" and argv[-4:] == ("--no-python", "bash", "-c", "python t.py")
 
@@ -41,8 +44,14 @@ def test_several_nodes_use_a_static_rendezvous() -> None:
     env = {"MASTER_ADDR": "node1", "MASTER_PORT": "1234"}
     argv = torchrun.wrap((PY, "t.py"), nproc_per_node=4, nnodes=2, node_rank=1, env=env)
     i = argv.index("--node-rank")
-    assert argv[i:i + 6] == ("--node-rank", "1", "--master-addr", "node1", "--master-port",
-                             "1234")
+    assert argv[i : i + 6] == (
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "node1",
+        "--master-port",
+        "1234",
+    )
     with pytest.raises(ConfigError, match="MASTER_ADDR"):
         torchrun.wrap((PY, "t.py"), nproc_per_node=1, nnodes=2, env={})
     with pytest.raises(ConfigError, match="node rank 2"):
@@ -53,15 +62,16 @@ def test_slurm_gives_the_rendezvous_address_and_port() -> None:
     env = {"SLURM_JOB_NODELIST": "gpu[03-05,9],cpu1", "SLURM_JOB_ID": "123456"}
     argv = torchrun.wrap((PY, "t.py"), nproc_per_node=8, nnodes=4, node_rank=3, env=env)
     i = argv.index("--master-addr")
-    assert argv[i:i + 4] == ("--master-addr", "gpu03", "--master-port", str(20000 + 3456))
+    assert argv[i : i + 4] == ("--master-addr", "gpu03", "--master-port", str(20000 + 3456))
     assert torchrun.first_host("a1,b2") == "a1" and torchrun.first_host("n[7]") == "n7"
 
 
 def test_world_size_is_derived_and_not_in_the_launch_hash() -> None:
     one = resolve("local", {}, {}, run="r", command=("python", "t.py"))
     two = resolve("local", {"nproc_per_node": 2}, {}, run="r", command=("python", "t.py"))
-    four = resolve("local", {"nproc_per_node": 2, "nnodes": 2}, {}, run="r",
-                   command=("python", "t.py"))
+    four = resolve(
+        "local", {"nproc_per_node": 2, "nnodes": 2}, {}, run="r", command=("python", "t.py")
+    )
     assert (one.world_size, two.world_size, four.world_size) == (1, 2, 4)
     # a run may move to another world size when its checkpoint reshards: the child's
     # compat gate decides (tests/distributed/test_dist_checkpoint.py), not the launch hash
@@ -73,11 +83,29 @@ def test_world_size_is_derived_and_not_in_the_launch_hash() -> None:
 
 
 def _manifest(world: int, compat: dict[str, object]) -> Manifest:
-    shards = tuple(ShardInfo(f"checkpoints/step-0000000001/shard-r{r:05d}-a0000-0000000{r}.ckpt",
-                             r, 1, "crc32c:00000000") for r in range(world))
-    return Manifest(run="r", step=1, kind="recovery", attempt=0, world_size=world,
-                    shards=shards, compat=compat, metrics={}, resumed_from=None,
-                    created_utc="", committed_utc="", save_duration_s=0.0)
+    shards = tuple(
+        ShardInfo(
+            f"checkpoints/step-0000000001/shard-r{r:05d}-a0000-0000000{r}.ckpt",
+            r,
+            1,
+            "crc32c:00000000",
+        )
+        for r in range(world)
+    )
+    return Manifest(
+        run="r",
+        step=1,
+        kind="recovery",
+        attempt=0,
+        world_size=world,
+        shards=shards,
+        compat=compat,
+        metrics={},
+        resumed_from=None,
+        created_utc="",
+        committed_utc="",
+        save_duration_s=0.0,
+    )
 
 
 def test_world_size_may_change_only_when_the_format_reshards() -> None:
@@ -90,8 +118,15 @@ def test_world_size_may_change_only_when_the_format_reshards() -> None:
 
 
 def test_sampler_position_follows_the_global_sample_count() -> None:
-    sd = {"epoch": 3, "position": 10, "seed": 1, "n": 100, "shuffle": True,
-          "num_replicas": 4, "rank": 0}
+    sd = {
+        "epoch": 3,
+        "position": 10,
+        "seed": 1,
+        "n": 100,
+        "shuffle": True,
+        "num_replicas": 4,
+        "rank": 0,
+    }
     assert rederive_sampler(sd, 2, 1) == {**sd, "position": 20, "num_replicas": 2, "rank": 1}
     assert rederive_sampler(sd, 3, 2)["position"] == 13  # 40 // 3: one sample seen again
     assert rederive_sampler({**sd, "position": 25}, 1, 0)["position"] == 100  # clamped
@@ -110,11 +145,13 @@ def test_workers_in_their_own_sessions_are_found_even_when_orphaned(tmp_path: Pa
     # A launcher (its own session, like the supervisor's child) starts a worker with
     # start_new_session=True, as torchrun does, then is killed: the worker is orphaned.
     pidfile = tmp_path / "worker.pid"
-    code = ("import subprocess, sys, time\n"
-            "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
-            " start_new_session=True)\n"
-            f"open({str(pidfile)!r}, 'w').write(str(w.pid))\n"
-            "time.sleep(60)\n")
+    code = (
+        "import subprocess, sys, time\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(w.pid))\n"
+        "time.sleep(60)\n"
+    )
     child = process.spawn((PY, "-c", code), dict(os.environ), track_tree=True)
     try:
         _wait(lambda: pidfile.exists() and pidfile.read_text())

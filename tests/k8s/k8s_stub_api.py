@@ -26,8 +26,15 @@ from urllib.parse import parse_qs, urlsplit
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 class StubApi:
@@ -54,19 +61,26 @@ class StubApi:
 
     def write_kubeconfig(self, path: Path, token: str = "stub-token") -> Path:
         """A kubeconfig pointing at the stub with a bearer token."""
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "stub",
-            "clusters": [{"name": "stub", "cluster": {"server": self.url}}],
-            "users": [{"name": "stub", "user": {"token": token}}],
-            "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}],
-        }))
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "stub",
+                    "clusters": [{"name": "stub", "cluster": {"server": self.url}}],
+                    "users": [{"name": "stub", "user": {"token": token}}],
+                    "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}],
+                }
+            )
+        )
         return path
 
     def set_pods(self, ns: str, job: str, pods: list[dict[str, Any]]) -> None:
         """Seed the pods a Job controller would have created (labelled with the job)."""
         for p in pods:
             p.setdefault("metadata", {}).setdefault("labels", {})[
-                "batch.kubernetes.io/job-name"] = job
+                "batch.kubernetes.io/job-name"
+            ] = job
         with self.lock:
             self.pods[(ns, job)] = pods
 
@@ -95,11 +109,15 @@ class StubApi:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(n)) if n else None
                 with stub.lock:
-                    stub.requests.append({
-                        "method": self.command, "path": url.path,
-                        "query": parse_qs(url.query), "body": body,
-                        "authorization": self.headers.get("Authorization"),
-                    })
+                    stub.requests.append(
+                        {
+                            "method": self.command,
+                            "path": url.path,
+                            "query": parse_qs(url.query),
+                            "body": body,
+                            "authorization": self.headers.get("Authorization"),
+                        }
+                    )
                 return url.path.strip("/").split("/"), parse_qs(url.query), body
 
             def do_POST(self) -> None:
@@ -108,18 +126,25 @@ class StubApi:
                     return self._reply(404, _status(404, "NotFound", "no such path"))
                 ns = parts[4]
                 if ns == "forbidden":
-                    return self._reply(403, _status(403, "Forbidden", "jobs.batch is "
-                                                    "forbidden: User cannot create"))
+                    return self._reply(
+                        403,
+                        _status(403, "Forbidden", "jobs.batch is forbidden: User cannot create"),
+                    )
                 name = body["metadata"]["name"]
                 with stub.lock:
                     if (ns, name) in stub.jobs:
-                        return self._reply(409, _status(
-                            409, "AlreadyExists", f'jobs.batch "{name}" already exists'))
+                        return self._reply(
+                            409,
+                            _status(409, "AlreadyExists", f'jobs.batch "{name}" already exists'),
+                        )
                     obj = json.loads(json.dumps(body))
                     obj["metadata"].update(
-                        uid=str(uuid.uuid4()), resourceVersion="1",
+                        uid=str(uuid.uuid4()),
+                        resourceVersion="1",
                         creationTimestamp=dt.datetime.now(dt.timezone.utc).strftime(
-                            "%Y-%m-%dT%H:%M:%SZ"))
+                            "%Y-%m-%dT%H:%M:%SZ"
+                        ),
+                    )
                     obj["status"] = {}
                     stub.jobs[(ns, name)] = obj
                 self._reply(201, obj)
@@ -131,14 +156,16 @@ class StubApi:
                     assert key == "batch.kubernetes.io/job-name", key
                     with stub.lock:
                         items = list(stub.pods.get((parts[3], value), []))
-                    return self._reply(200, {"kind": "PodList", "apiVersion": "v1",
-                                             "metadata": {}, "items": items})
+                    return self._reply(
+                        200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}
+                    )
                 if parts[:3] == ["apis", "batch", "v1"] and len(parts) == 7:
                     with stub.lock:
                         obj = stub.jobs.get((parts[4], parts[6]))
                     if obj is None:
-                        return self._reply(404, _status(
-                            404, "NotFound", f'jobs.batch "{parts[6]}" not found'))
+                        return self._reply(
+                            404, _status(404, "NotFound", f'jobs.batch "{parts[6]}" not found')
+                        )
                     return self._reply(200, obj)
                 self._reply(404, _status(404, "NotFound", "no such path"))
 
@@ -150,9 +177,18 @@ class StubApi:
                     obj = stub.jobs.pop((parts[4], parts[6]), None)
                     stub.pods.pop((parts[4], parts[6]), None)
                 if obj is None:
-                    return self._reply(404, _status(
-                        404, "NotFound", f'jobs.batch "{parts[6]}" not found'))
-                self._reply(200, {"kind": "Status", "apiVersion": "v1", "metadata": {},
-                                  "status": "Success", "details": {"name": parts[6]}})
+                    return self._reply(
+                        404, _status(404, "NotFound", f'jobs.batch "{parts[6]}" not found')
+                    )
+                self._reply(
+                    200,
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "metadata": {},
+                        "status": "Success",
+                        "details": {"name": parts[6]},
+                    },
+                )
 
         return Handler

@@ -39,17 +39,23 @@ def _spec(run: str = "demo", **kw: Any) -> JobSpec:
     return JobSpec(run=run, command=("python", "train.py"), storage="s3://b/runs", **kw)
 
 
-def _pod(name: str, phase: str, created: str, exit_code: int | None = None,
-         disrupted: bool = False) -> dict[str, Any]:
+def _pod(
+    name: str, phase: str, created: str, exit_code: int | None = None, disrupted: bool = False
+) -> dict[str, Any]:
     status: dict[str, Any] = {"phase": phase}
     if exit_code is not None:
-        status["containerStatuses"] = [{"name": "ckrun", "state": {
-            "terminated": {"exitCode": exit_code, "reason": "Error"}}}]
+        status["containerStatuses"] = [
+            {"name": "ckrun", "state": {"terminated": {"exitCode": exit_code, "reason": "Error"}}}
+        ]
     if disrupted:
-        status["conditions"] = [{"type": "DisruptionTarget", "status": "True",
-                                 "reason": "TerminationByKubelet"}]
-    return {"metadata": {"name": name, "creationTimestamp": created},
-            "spec": {"nodeName": "spot-node-1"}, "status": status}
+        status["conditions"] = [
+            {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}
+        ]
+    return {
+        "metadata": {"name": name, "creationTimestamp": created},
+        "spec": {"nodeName": "spot-node-1"},
+        "status": status,
+    }
 
 
 def test_submit_sends_exactly_the_rendered_job(stub: StubApi, tmp_path: Path) -> None:
@@ -79,25 +85,43 @@ def test_status_follows_job_and_pods(stub: StubApi, tmp_path: Path) -> None:
     assert sched.status(job_id) == JobState.PENDING  # no pod yet
     stub.set_pods("default", "demo", [_pod("demo-0-aaaaa", "Running", "2026-11-29T08:00:00Z")])
     assert sched.status("demo") == JobState.RUNNING  # bare name: the options' namespace
-    stub.set_pods("default", "demo", [
-        _pod("demo-0-aaaaa", "Running", "2026-11-29T08:00:00Z", disrupted=True)])
+    stub.set_pods(
+        "default", "demo", [_pod("demo-0-aaaaa", "Running", "2026-11-29T08:00:00Z", disrupted=True)]
+    )
     assert sched.status(job_id) == JobState.PREEMPTED  # draining within the grace period
-    stub.set_pods("default", "demo", [
-        _pod("demo-0-aaaaa", "Failed", "2026-11-29T08:00:00Z", exit_code=75, disrupted=True)])
+    stub.set_pods(
+        "default",
+        "demo",
+        [_pod("demo-0-aaaaa", "Failed", "2026-11-29T08:00:00Z", exit_code=75, disrupted=True)],
+    )
     assert sched.status(job_id) == JobState.REQUEUED
-    stub.set_pods("default", "demo", [
-        _pod("demo-0-bbbbb", "Pending", "2026-11-29T08:05:00Z"),
-        _pod("demo-0-aaaaa", "Failed", "2026-11-29T08:00:00Z", exit_code=75)])
+    stub.set_pods(
+        "default",
+        "demo",
+        [
+            _pod("demo-0-bbbbb", "Pending", "2026-11-29T08:05:00Z"),
+            _pod("demo-0-aaaaa", "Failed", "2026-11-29T08:00:00Z", exit_code=75),
+        ],
+    )
     assert sched.status(job_id) == JobState.PENDING  # the newest pod decides
     info = sched.describe(job_id)
     assert [(p["name"], p["phase"], p["exit_code"]) for p in info["pods"]] == [
-        ("demo-0-aaaaa", "Failed", 75), ("demo-0-bbbbb", "Pending", None)]
-    stub.patch_job("default", "demo", {"failed": 1, "conditions": [
-        {"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}]})
+        ("demo-0-aaaaa", "Failed", 75),
+        ("demo-0-bbbbb", "Pending", None),
+    ]
+    stub.patch_job(
+        "default",
+        "demo",
+        {
+            "failed": 1,
+            "conditions": [{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}],
+        },
+    )
     assert sched.status(job_id) == JobState.FAILED
     assert sched.describe(job_id)["conditions"] == ["Failed: PodFailurePolicy"]
-    stub.patch_job("default", "demo", {"succeeded": 1, "conditions": [
-        {"type": "Complete", "status": "True"}]})
+    stub.patch_job(
+        "default", "demo", {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+    )
     assert sched.status(job_id) == JobState.COMPLETED
 
 
@@ -107,9 +131,12 @@ def test_cancel_deletes_and_is_idempotent(stub: StubApi, tmp_path: Path) -> None
     sched.cancel(job_id)
     delete = stub.requests[-1]
     assert (delete["method"], delete["path"]) == (
-        "DELETE", "/apis/batch/v1/namespaces/default/jobs/demo")
+        "DELETE",
+        "/apis/batch/v1/namespaces/default/jobs/demo",
+    )
     assert delete["query"].get("propagationPolicy") == ["Foreground"] or (
-        (delete["body"] or {}).get("propagationPolicy") == "Foreground")
+        (delete["body"] or {}).get("propagationPolicy") == "Foreground"
+    )
     assert sched.status(job_id) == JobState.UNKNOWN  # 404 after delete
     assert sched.describe(job_id)["found"] is False
     sched.cancel(job_id)  # 404: fine
@@ -144,8 +171,7 @@ def _verb(req: dict[str, Any]) -> tuple[str, str, str]:
     group = parts[1] if parts[0] == "apis" else ""
     resource = parts[5] if group else parts[4]
     named = len(parts) == (7 if group else 6)
-    verb = {"POST": "create", "DELETE": "delete"}.get(req["method"],
-                                                      "get" if named else "list")
+    verb = {"POST": "create", "DELETE": "delete"}.get(req["method"], "get" if named else "list")
     return group, resource, verb
 
 
@@ -153,16 +179,26 @@ def test_rbac_example_allows_every_call(stub: StubApi, tmp_path: Path) -> None:
     """Every request of a submit/status/cancel cycle is allowed by k8s/rbac.yaml's Role."""
     import yaml
 
-    docs = list(yaml.safe_load_all((Path(__file__).resolve().parents[2] / "k8s" /
-                                    "rbac.yaml").read_text()))
+    docs = list(
+        yaml.safe_load_all((Path(__file__).resolve().parents[2] / "k8s" / "rbac.yaml").read_text())
+    )
     (role,) = [d for d in docs if d["kind"] == "Role"]
-    allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
-               for r in rule["resources"] for v in rule["verbs"]}
+    allowed = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     sched = _sched(stub, tmp_path)
     job_id = sched.submit(_spec())
     sched.status(job_id)
     sched.cancel(job_id)
     used = {_verb(r) for r in stub.requests}
-    assert used == {("batch", "jobs", "create"), ("batch", "jobs", "get"),
-                    ("", "pods", "list"), ("batch", "jobs", "delete")}
+    assert used == {
+        ("batch", "jobs", "create"),
+        ("batch", "jobs", "get"),
+        ("", "pods", "list"),
+        ("batch", "jobs", "delete"),
+    }
     assert used <= allowed

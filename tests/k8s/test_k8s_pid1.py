@@ -36,9 +36,12 @@ def rendered_env(run: str) -> dict[str, str]:
     from ckrun.scheduler.base import JobSpec
     from ckrun.scheduler.k8s import K8sScheduler, Options
 
-    spec = JobSpec(run=run, command=("python", "t.py"), storage="pvc:ckpt",
-                   options=Options(image="i", termination_grace_period_s=GRACE_S,
-                                   grace_margin_s=MARGIN_S))
+    spec = JobSpec(
+        run=run,
+        command=("python", "t.py"),
+        storage="pvc:ckpt",
+        options=Options(image="i", termination_grace_period_s=GRACE_S, grace_margin_s=MARGIN_S),
+    )
     (c,) = K8sScheduler().manifest(spec)["spec"]["template"]["spec"]["containers"]
     return {e["name"]: e["value"] for e in c["env"] if "value" in e}
 
@@ -46,13 +49,15 @@ def rendered_env(run: str) -> dict[str, str]:
 def _unshare_works() -> bool:
     if os.geteuid() != 0 or not shutil.which("unshare") or not CKRUN.exists():
         return False
-    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
-                       capture_output=True, timeout=30)
+    r = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
+    )
     return r.returncode == 0
 
 
-pytestmark = pytest.mark.skipif(not _unshare_works(),
-                                reason="needs root and a working `unshare --pid --mount-proc`")
+pytestmark = pytest.mark.skipif(
+    not _unshare_works(), reason="needs root and a working `unshare --pid --mount-proc`"
+)
 
 
 def _poll(cond: Callable[[], object], timeout_s: float, what: str) -> object:
@@ -71,7 +76,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = raw[raw.rindex(")") + 2:].split()
+    fields = raw[raw.rindex(")") + 2 :].split()
     return fields[0], int(fields[1])
 
 
@@ -95,28 +100,56 @@ def _children(ppid: int) -> list[int]:
 class Pod:
     """``ckrun run`` as PID 1 of a new PID namespace, with a pod's environment."""
 
-    def __init__(self, tmp: Path, run: str, train_args: list[str], *, attempt: int = 0,
-                 shell: bool = False, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        run: str,
+        train_args: list[str],
+        *,
+        attempt: int = 0,
+        shell: bool = False,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.storage = tmp / "storage"
         self.log = tmp / f"pod-{attempt}.log"
         cmd = [sys.executable, str(TRAIN), *train_args]
         if shell:  # `sh -c` style: sh stays the trainer's parent and passes the status on
             cmd = ["sh", "-c", 'python "$0" "$@"; exit $?', *cmd[1:]]
-        argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
-                str(CKRUN), "run", "--run", run, "--storage", str(self.storage), "--", *cmd]
-        env = dict(os.environ,
-                   PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-                   KUBERNETES_SERVICE_HOST="10.96.0.1", HOSTNAME=f"{run}-0",
-                   JOB_COMPLETION_INDEX="0", CKRUN_K8S_JOB_NAME=run,
-                   CKRUN_K8S_NAMESPACE="default", CKRUN_K8S_POD_NAME=f"{run}-0-abcde",
-                   CKRUN_K8S_FAILURE_COUNT="",
-                   CKRUN_K8S_IGNORED_FAILURE_COUNT=str(attempt) if attempt else "",
-                   **rendered_env(run), **(extra_env or {}))
+        argv = [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--kill-child",
+            str(CKRUN),
+            "run",
+            "--run",
+            run,
+            "--storage",
+            str(self.storage),
+            "--",
+            *cmd,
+        ]
+        env = dict(
+            os.environ,
+            PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            KUBERNETES_SERVICE_HOST="10.96.0.1",
+            HOSTNAME=f"{run}-0",
+            JOB_COMPLETION_INDEX="0",
+            CKRUN_K8S_JOB_NAME=run,
+            CKRUN_K8S_NAMESPACE="default",
+            CKRUN_K8S_POD_NAME=f"{run}-0-abcde",
+            CKRUN_K8S_FAILURE_COUNT="",
+            CKRUN_K8S_IGNORED_FAILURE_COUNT=str(attempt) if attempt else "",
+            **rendered_env(run),
+            **(extra_env or {}),
+        )
         for key in ("SLURM_JOB_ID", "CKRUN_STATE_DIR", "CKRUN_STORAGE_BASE"):
             env.pop(key, None)
         self.out = open(self.log, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=self.out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.init = int(_poll(self._init_pid, 30, "the namespace's PID 1"))  # type: ignore[arg-type]
 
     def _init_pid(self) -> int | None:
@@ -127,8 +160,11 @@ class Pod:
         return self.log.read_text(errors="replace")
 
     def wait_for(self, pattern: str, timeout_s: float = 60) -> re.Match[str]:
-        return _poll(lambda: re.search(pattern, self.text()), timeout_s,  # type: ignore[return-value]
-                     f"{pattern!r} in {self.log}")
+        return _poll(
+            lambda: re.search(pattern, self.text()),
+            timeout_s,  # type: ignore[return-value]
+            f"{pattern!r} in {self.log}",
+        )
 
     def wait(self, timeout_s: float) -> int:
         return self.proc.wait(timeout=timeout_s)
@@ -149,13 +185,17 @@ def pods() -> Iterator[list[Pod]]:
 
 
 def _commits(storage: Path, run: str) -> list[int]:
-    return sorted(int(p.parent.name.split("-")[1])
-                  for p in (storage / run / "checkpoints").glob("step-*/manifest.json"))
+    return sorted(
+        int(p.parent.name.split("-")[1])
+        for p in (storage / run / "checkpoints").glob("step-*/manifest.json")
+    )
 
 
 def test_pod_env_is_the_rendered_one() -> None:
-    assert rendered_env("x") == {"CKRUN_K8S_TERMINATION_GRACE_S": str(GRACE_S),
-                                 "CKRUN_GRACE_S": str(GRACE_S - MARGIN_S)}
+    assert rendered_env("x") == {
+        "CKRUN_K8S_TERMINATION_GRACE_S": str(GRACE_S),
+        "CKRUN_GRACE_S": str(GRACE_S - MARGIN_S),
+    }
 
 
 def test_ckrun_is_pid_1(tmp_path: Path, pods: list[Pod]) -> None:
@@ -169,8 +209,7 @@ def test_ckrun_is_pid_1(tmp_path: Path, pods: list[Pod]) -> None:
     assert (pod.storage / "pid1" / "COMPLETE.json").exists()
 
 
-def test_sigterm_checkpoints_and_exits_75_within_the_grace(tmp_path: Path,
-                                                           pods: list[Pod]) -> None:
+def test_sigterm_checkpoints_and_exits_75_within_the_grace(tmp_path: Path, pods: list[Pod]) -> None:
     pod = Pod(tmp_path, "term", [])
     pods.append(pod)
     pod.wait_for(r"step 5\b")
@@ -230,7 +269,8 @@ def test_requeue_cycle_resumes_in_a_new_pod(tmp_path: Path, pods: list[Pod]) -> 
 
 @pytest.mark.slow
 def test_a_trainer_that_ignores_the_notice_is_stopped_before_sigkill(
-        tmp_path: Path, pods: list[Pod]) -> None:
+    tmp_path: Path, pods: list[Pod]
+) -> None:
     """No save: TERM at the drain deadline, exit 76 before terminationGracePeriodSeconds."""
     pod = Pod(tmp_path, "deaf", ["--ignore-notice"])
     pods.append(pod)

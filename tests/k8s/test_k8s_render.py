@@ -40,40 +40,61 @@ UNSUPPORTED = ["1.25", "1.26", "1.27", "1.28"]
 
 
 def _profile_case() -> JobSpec:
-    cfg = config.resolve("k8s", cli={"image": "ghcr.io/acme/train:1.4"}, env={}, run="demo",
-                         command=("python", "train.py"))
+    cfg = config.resolve(
+        "k8s",
+        cli={"image": "ghcr.io/acme/train:1.4"},
+        env={},
+        run="demo",
+        command=("python", "train.py"),
+    )
     return JobSpec(run=cfg.run, command=cfg.command, storage=cfg.storage, options=cfg.options)
 
 
 CASES: dict[str, Any] = {
     "profile-k8s": _profile_case,
     "gke-spot-gpu-pvc": lambda: JobSpec(
-        run="llm-7b", command=("torchrun", "--nproc_per_node=8", "train.py", "--lr", "3e-4"),
-        storage="pvc:ckpt-claim/llm-7b", env={"NCCL_DEBUG": "WARN"},
+        run="llm-7b",
+        command=("torchrun", "--nproc_per_node=8", "train.py", "--lr", "3e-4"),
+        storage="pvc:ckpt-claim/llm-7b",
+        env={"NCCL_DEBUG": "WARN"},
         supervisor_args=("--storage", "pvc:ckpt-claim", "--allow-change", "world_size"),
         options=Options(
-            image="us-docker.pkg.dev/acme/ml/train:2026-11", namespace="ml", gpus=8,
-            cpu="90", memory="600Gi", shm_size="64Gi", priority_class="spot-batch",
+            image="us-docker.pkg.dev/acme/ml/train:2026-11",
+            namespace="ml",
+            gpus=8,
+            cpu="90",
+            memory="600Gi",
+            shm_size="64Gi",
+            priority_class="spot-batch",
             node_selector=("cloud.google.com/gke-spot=true",),
-            tolerations=("cloud.google.com/gke-spot=true:NoSchedule",
-                         "nvidia.com/gpu:NoSchedule"),
-            termination_grace_period_s=150, save_time_s=60,
+            tolerations=("cloud.google.com/gke-spot=true:NoSchedule", "nvidia.com/gpu:NoSchedule"),
+            termination_grace_period_s=150,
+            save_time_s=60,
         ),
     ),
     "eks-spot-s3-secret": lambda: JobSpec(
-        run="resnet50", command=("python", "-m", "train", "--epochs", "90"),
-        storage="s3://acme-ckpt/runs", env={"AWS_REGION": "us-east-1"},
+        run="resnet50",
+        command=("python", "-m", "train", "--epochs", "90"),
+        storage="s3://acme-ckpt/runs",
+        env={"AWS_REGION": "us-east-1"},
         options=Options(
-            image="123456789012.dkr.ecr.us-east-1.amazonaws.com/train:7", namespace="vision",
-            gpus=1, env_from_secret="ckrun-s3", service_account="trainer",
+            image="123456789012.dkr.ecr.us-east-1.amazonaws.com/train:7",
+            namespace="vision",
+            gpus=1,
+            env_from_secret="ckrun-s3",
+            service_account="trainer",
             node_selector=("eks.amazonaws.com/capacityType=SPOT",),
-            image_pull_policy="IfNotPresent", image_pull_secrets=("ecr-pull",),
-            backoff_limit=5, ckrun_command=("/opt/venv/bin/ckrun",),
+            image_pull_policy="IfNotPresent",
+            image_pull_secrets=("ecr-pull",),
+            backoff_limit=5,
+            ckrun_command=("/opt/venv/bin/ckrun",),
         ),
     ),
     "odd-names-and-args": lambda: JobSpec(
-        run="My_Run.v2", command=("sh", "-c", "python train.py --x yes"),
-        storage="s3://b", options=Options(image="img:1.0"),
+        run="My_Run.v2",
+        command=("sh", "-c", "python train.py --x yes"),
+        storage="s3://b",
+        options=Options(image="img:1.0"),
         env={"FLAG": "on", "RATE": "3e-4", "TIME": "1:30"},
     ),
 }
@@ -145,13 +166,20 @@ def test_rendered_yaml_parses_back_to_the_manifest() -> None:
 
 def test_policy_mirrors_exit_codes() -> None:
     rules = load_template()["spec"]["podFailurePolicy"]["rules"]
-    assert rules[0] == {"action": "Ignore", "onExitCodes": {
-        "containerName": "ckrun", "operator": "In",
-        "values": [ExitCode.PREEMPTED, ExitCode.PREEMPTED_NO_CHECKPOINT]}}
+    assert rules[0] == {
+        "action": "Ignore",
+        "onExitCodes": {
+            "containerName": "ckrun",
+            "operator": "In",
+            "values": [ExitCode.PREEMPTED, ExitCode.PREEMPTED_NO_CHECKPOINT],
+        },
+    }
     assert rules[1]["action"] == "FailJob"
     assert rules[1]["onExitCodes"]["values"] == [ExitCode.CONFIG_INVALID, ExitCode.INCOMPATIBLE]
-    assert rules[2] == {"action": "Ignore",
-                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert rules[2] == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
     assert len(rules) == 3  # everything else is counted against backoffLimit
 
 
@@ -165,15 +193,18 @@ def test_job_shape() -> None:
     (c,) = pod["containers"]
     # exec form: ckrun itself is PID 1, the training command follows "--"
     assert c["command"][:4] == ["ckrun", "run", "--run", "llm-7b"]
-    assert c["command"][c["command"].index("--") + 1:] == list(spec.command)
+    assert c["command"][c["command"].index("--") + 1 :] == list(spec.command)
     assert "args" not in c and "shareProcessNamespace" not in pod
     assert c["command"][c["command"].index("--storage") + 1] == "/ckrun-storage"
-    assert pod["volumes"][0] == {"name": "ckrun-storage",
-                                 "persistentVolumeClaim": {"claimName": "ckpt-claim"}}
+    assert pod["volumes"][0] == {
+        "name": "ckrun-storage",
+        "persistentVolumeClaim": {"claimName": "ckpt-claim"},
+    }
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
-        pod["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
     assert doc["metadata"]["labels"]["ckrun/run"] == "llm-7b"
 
 
@@ -184,15 +215,18 @@ def test_s3_storage_gets_a_pod_local_state_dir() -> None:
     assert {"name": "ckrun-state", "emptyDir": {}} in c["volumes"]
 
 
-@pytest.mark.parametrize(("kwargs", "spec_kw", "needle"), [
-    ({}, {}, "--image"),
-    ({"image": "i"}, {"storage": "/mnt/ckpt"}, "pvc:CLAIM"),
-    ({"image": "i"}, {"storage": "pvc:Bad_Claim"}, "not a valid PVC name"),
-    ({"image": "i", "save_time_s": 200}, {}, "termination_grace_period_s: 220"),
-    ({"image": "i"}, {"env": {"CKRUN_GRACE_S": "110"}}, "termination_grace_period_s: 130"),
-    ({"image": "i", "termination_grace_period_s": 22}, {}, "termination_grace_period_s: 25"),
-    ({"image": "i"}, {"command": ()}, "training command"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "spec_kw", "needle"),
+    [
+        ({}, {}, "--image"),
+        ({"image": "i"}, {"storage": "/mnt/ckpt"}, "pvc:CLAIM"),
+        ({"image": "i"}, {"storage": "pvc:Bad_Claim"}, "not a valid PVC name"),
+        ({"image": "i", "save_time_s": 200}, {}, "termination_grace_period_s: 220"),
+        ({"image": "i"}, {"env": {"CKRUN_GRACE_S": "110"}}, "termination_grace_period_s: 130"),
+        ({"image": "i", "termination_grace_period_s": 22}, {}, "termination_grace_period_s: 25"),
+        ({"image": "i"}, {"command": ()}, "training command"),
+    ],
+)
 def test_render_refuses(kwargs: dict[str, Any], spec_kw: dict[str, Any], needle: str) -> None:
     base: dict[str, Any] = {"run": "r", "command": ("python", "t.py"), "storage": "s3://b"}
     spec = JobSpec(**{**base, **spec_kw, "options": Options(**kwargs)})
@@ -200,14 +234,18 @@ def test_render_refuses(kwargs: dict[str, Any], spec_kw: dict[str, Any], needle:
         K8sScheduler().render(spec)
 
 
-@pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"gpus": -1}, "gpus"), ({"memory": "64 GB"}, "quantity"),
-    ({"tolerations": ("spot=yes:Sometimes",)}, "EFFECT"),
-    ({"node_selector": ("no-equals-sign",)}, "KEY=VALUE"),
-    ({"image_pull_policy": "Sometimes"}, "IfNotPresent"),
-    ({"termination_grace_period_s": 0}, "termination_grace_period_s"),
-    ({"pvc_mount_path": "rel"}, "absolute"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"gpus": -1}, "gpus"),
+        ({"memory": "64 GB"}, "quantity"),
+        ({"tolerations": ("spot=yes:Sometimes",)}, "EFFECT"),
+        ({"node_selector": ("no-equals-sign",)}, "KEY=VALUE"),
+        ({"image_pull_policy": "Sometimes"}, "IfNotPresent"),
+        ({"termination_grace_period_s": 0}, "termination_grace_period_s"),
+        ({"pvc_mount_path": "rel"}, "absolute"),
+    ],
+)
 def test_options_refuse(kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         Options(**kwargs)
@@ -237,18 +275,20 @@ def test_render_needs_no_cluster() -> None:
 
 def test_rbac_example_is_valid() -> None:
     docs = list(yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()))
-    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding",
-                                         "ServiceAccount"]
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ServiceAccount"]
     for doc in docs:
         assert [v for v in SUPPORTED if _validate(doc, v)] == [], doc["kind"]
 
 
-@pytest.mark.parametrize(("storage", "args", "base"), [
-    ("s3://b/runs/demo", ("--storage", "s3://b/runs", "--allow-change", "x"), "s3://b/runs"),
-    ("s3://b/runs/demo", ("--storage=pvc:c/runs",), "pvc:c/runs"),
-    ("s3://b/runs/demo", (), "s3://b/runs"),     # the run root less /RUN
-    ("pvc:claim", (), "pvc:claim"),
-])
+@pytest.mark.parametrize(
+    ("storage", "args", "base"),
+    [
+        ("s3://b/runs/demo", ("--storage", "s3://b/runs", "--allow-change", "x"), "s3://b/runs"),
+        ("s3://b/runs/demo", ("--storage=pvc:c/runs",), "pvc:c/runs"),
+        ("s3://b/runs/demo", (), "s3://b/runs"),  # the run root less /RUN
+        ("pvc:claim", (), "pvc:claim"),
+    ],
+)
 def test_storage_base(storage: str, args: tuple[str, ...], base: str) -> None:
     spec = JobSpec(run="demo", command=("t",), storage=storage, supervisor_args=args)
     assert split_storage(spec) == (base, tuple(a for a in args if a in ("--allow-change", "x")))
@@ -256,14 +296,32 @@ def test_storage_base(storage: str, args: tuple[str, ...], base: str) -> None:
 
 def test_cli_shaped_spec() -> None:
     """What launch.submit passes: run root as storage, base in --storage, submitter paths."""
-    spec = JobSpec(run="demo", command=("python", "t.py"), storage="pvc:ckpt/runs/demo",
-                   supervisor_args=("--storage", "pvc:ckpt/runs", "--allow-change", "lr"),
-                   env={"CKRUN_SUPERVISOR_LOG": "/home/me/st/demo/supervisor.log",
-                        "CKRUN_STATE_DIR": "/home/me/st", "WANDB_MODE": "offline"},
-                   options=Options(image="i", termination_grace_period_s=90))
+    spec = JobSpec(
+        run="demo",
+        command=("python", "t.py"),
+        storage="pvc:ckpt/runs/demo",
+        supervisor_args=("--storage", "pvc:ckpt/runs", "--allow-change", "lr"),
+        env={
+            "CKRUN_SUPERVISOR_LOG": "/home/me/st/demo/supervisor.log",
+            "CKRUN_STATE_DIR": "/home/me/st",
+            "WANDB_MODE": "offline",
+        },
+        options=Options(image="i", termination_grace_period_s=90),
+    )
     c = K8sScheduler().manifest(spec)["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["ckrun", "run", "--run", "demo", "--storage", "/ckrun-storage/runs",
-                            "--allow-change", "lr", "--", "python", "t.py"]
+    assert c["command"] == [
+        "ckrun",
+        "run",
+        "--run",
+        "demo",
+        "--storage",
+        "/ckrun-storage/runs",
+        "--allow-change",
+        "lr",
+        "--",
+        "python",
+        "t.py",
+    ]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert "CKRUN_SUPERVISOR_LOG" not in env and "CKRUN_STATE_DIR" not in env
     assert env["WANDB_MODE"] == "offline"

@@ -150,8 +150,13 @@ def test_preemption_low_by_high(cluster, tmp_path, cancel_jobs) -> None:
     assert _final(tmp_path, "pre") == uninterrupted(120)
     assert [s.split()[1] for s in _starts(tmp_path, "pre")] == ["0", "1"]
     # `ckrun status` shows Slurm's record next to ckrun's own
-    st = subprocess.run([CKRUN, "status", "pre", "--storage", str(tmp_path / "runs"), "--json"],
-                        capture_output=True, text=True, timeout=60, check=True)
+    st = subprocess.run(
+        [CKRUN, "status", "pre", "--storage", str(tmp_path / "runs"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     view = json.loads(st.stdout)
     assert view["preemptions"] == 1 and view["complete"]
     assert view["scheduler"]["backend"] == "slurm" and view["scheduler"]["job_id"] == low

@@ -54,8 +54,9 @@ def test_read_only_filesystem(ro_fs: Path) -> None:
         LocalStorage(str(ro_fs / "sub"))
 
 
-def test_enospc_at_nth_write_fault_injection(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_enospc_at_nth_write_fault_injection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Fault injection (the OS write is replaced for this module only): the 3rd write
     of a streaming object fails with ENOSPC, on any filesystem and without root."""
     st = LocalStorage(str(tmp_path / "run"))

@@ -39,8 +39,7 @@ def main() -> int:
     state: dict[str, Any] = {"w": torch.zeros(4, dtype=torch.float64), "step": 0}
     m = ckpt.load(state)
     start = int(state["step"]) if m is not None else 0
-    print(f"resumed {m.step if m else None} attempt {os.environ.get('CKRUN_ATTEMPT')}",
-          flush=True)
+    print(f"resumed {m.step if m else None} attempt {os.environ.get('CKRUN_ATTEMPT')}", flush=True)
     loader = None
     if a.workers:
         ds = torch.utils.data.TensorDataset(torch.arange(100000, dtype=torch.float64))

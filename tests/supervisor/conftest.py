@@ -18,6 +18,7 @@ def procs() -> Iterator[Callable[..., Ckrun]]:
         c = Ckrun(args, cwd, env)
         started.append(c)
         return c
+
     yield start
     for c in started:
         c.kill()

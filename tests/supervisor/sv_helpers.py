@@ -34,9 +34,14 @@ class Ckrun:
         full = dict(os.environ, **FAST_ENV, **(env or {}))
         full.pop("CKRUN_CONTROL_DIR", None)
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "ckrun.cli", *args], cwd=cwd,
-                                     env=full, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ckrun.cli", *args],
+            cwd=cwd,
+            env=full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._t = threading.Thread(target=self._read, daemon=True)
         self._t.start()

@@ -23,8 +23,9 @@ PY = sys.executable
 
 
 def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "ckrun.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [PY, "-m", "ckrun.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
 
 
 def kinds(root: Path) -> list[str]:
@@ -32,10 +33,11 @@ def kinds(root: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_preempt_drill_saves_restarts_and_completes_exactly(tmp_path: Path,
-                                                            procs: Start) -> None:
-    sup = procs(["submit", "--run", "d", "--storage", "runs", CHILD, "--steps", "60",
-                 "--step-s", "0.04"], tmp_path)
+def test_preempt_drill_saves_restarts_and_completes_exactly(tmp_path: Path, procs: Start) -> None:
+    sup = procs(
+        ["submit", "--run", "d", "--storage", "runs", CHILD, "--steps", "60", "--step-s", "0.04"],
+        tmp_path,
+    )
     sup.wait_line(r"^step 10$")
     r = cli(["preempt", "d", "--storage", "runs"], tmp_path)
     assert r.returncode == 0, r.stderr
@@ -61,8 +63,7 @@ def test_preempt_drill_saves_restarts_and_completes_exactly(tmp_path: Path,
 @pytest.mark.slow
 def test_bash_wrapper_still_checkpoints(tmp_path: Path, procs: Start) -> None:
     cmd = f"{PY} {CHILD} --steps 50 --step-s 0.04; echo wrapper-done"
-    sup = procs(["submit", "--run", "b", "--storage", "runs", "--", "bash", "-c", cmd],
-                tmp_path)
+    sup = procs(["submit", "--run", "b", "--storage", "runs", "--", "bash", "-c", cmd], tmp_path)
     sup.wait_line(r"^step 5$")
     assert cli(["preempt", "b", "--storage", "runs"], tmp_path).returncode == 0
     sup.wait_line(r"saved \d+ on notice")
@@ -75,8 +76,23 @@ def test_bash_wrapper_still_checkpoints(tmp_path: Path, procs: Start) -> None:
 
 @pytest.mark.slow
 def test_dataloader_workers_survive_sigterm_to_the_group(tmp_path: Path, procs: Start) -> None:
-    sup = procs(["submit", "--run", "w", "--storage", "runs", CHILD, "--steps", "40",
-                 "--step-s", "0.04", "--workers", "2"], tmp_path)
+    sup = procs(
+        [
+            "submit",
+            "--run",
+            "w",
+            "--storage",
+            "runs",
+            CHILD,
+            "--steps",
+            "40",
+            "--step-s",
+            "0.04",
+            "--workers",
+            "2",
+        ],
+        tmp_path,
+    )
     sup.wait_line(r"^step 5$")
     root = tmp_path / "runs" / "w"
     pid = int(next(e["pid"] for e in events(root) if e["kind"] == "spawn"))
@@ -90,24 +106,56 @@ def test_dataloader_workers_survive_sigterm_to_the_group(tmp_path: Path, procs: 
 
 @pytest.mark.slow
 def test_failure_after_progress_restarts_and_completes(tmp_path: Path, procs: Start) -> None:
-    sup = procs(["submit", "--run", "f", "--storage", "runs", CHILD, "--steps", "20",
-                 "--step-s", "0.01", "--save-every", "2", "--crash-at", "7"], tmp_path)
+    sup = procs(
+        [
+            "submit",
+            "--run",
+            "f",
+            "--storage",
+            "runs",
+            CHILD,
+            "--steps",
+            "20",
+            "--step-s",
+            "0.01",
+            "--save-every",
+            "2",
+            "--crash-at",
+            "7",
+        ],
+        tmp_path,
+    )
     assert sup.wait() == 0, sup.text
     assert "resumed 6 attempt 1" in sup.text
     assert kinds(tmp_path / "runs" / "f").count("backoff") == 1
 
 
-IGNORER = ("import signal, time\n"
-           "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-           "print('ignoring', flush=True)\n"
-           "time.sleep(120)\n")
+IGNORER = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ignoring', flush=True)\n"
+    "time.sleep(120)\n"
+)
 
 
-def test_child_ignoring_the_notice_is_killed_within_grace(tmp_path: Path,
-                                                          procs: Start) -> None:
+def test_child_ignoring_the_notice_is_killed_within_grace(tmp_path: Path, procs: Start) -> None:
     grace, kill_delay = 3.0, 1.0
-    sup = procs(["submit", "--run", "i", "--storage", "runs", "--grace", str(grace), "--",
-                 PY, "-c", IGNORER], tmp_path)
+    sup = procs(
+        [
+            "submit",
+            "--run",
+            "i",
+            "--storage",
+            "runs",
+            "--grace",
+            str(grace),
+            "--",
+            PY,
+            "-c",
+            IGNORER,
+        ],
+        tmp_path,
+    )
     sup.wait_line("^ignoring$")
     t0 = time.monotonic()
     sup.proc.send_signal(signal.SIGTERM)  # the supervisor itself is told to stop
@@ -121,23 +169,51 @@ def test_child_ignoring_the_notice_is_killed_within_grace(tmp_path: Path,
 
 
 def test_crash_loop_stops_and_says_so(tmp_path: Path, procs: Start) -> None:
-    sup = procs(["submit", "--run", "c", "--storage", "runs", "--", PY, "-c",
-                 "import sys; print('boom', flush=True); sys.exit(1)"], tmp_path)
+    sup = procs(
+        [
+            "submit",
+            "--run",
+            "c",
+            "--storage",
+            "runs",
+            "--",
+            PY,
+            "-c",
+            "import sys; print('boom', flush=True); sys.exit(1)",
+        ],
+        tmp_path,
+    )
     assert sup.wait() == 1
     assert "crash loop: 2 failures in a row with no checkpoint progress" in sup.text
     assert kinds(tmp_path / "runs" / "c").count("spawn") == 2
 
 
 def test_failure_budget_is_enforced(tmp_path: Path, procs: Start) -> None:
-    sup = procs(["submit", "--run", "c", "--storage", "runs", "--max-failures", "0", "--",
-                 PY, "-c", "import sys; sys.exit(9)"], tmp_path)
+    sup = procs(
+        [
+            "submit",
+            "--run",
+            "c",
+            "--storage",
+            "runs",
+            "--max-failures",
+            "0",
+            "--",
+            PY,
+            "-c",
+            "import sys; sys.exit(9)",
+        ],
+        tmp_path,
+    )
     assert sup.wait() == 1
     assert "failure budget spent: 1 failures > max_failures 0" in sup.text
 
 
 def test_second_supervisor_is_refused_naming_the_holder(tmp_path: Path, procs: Start) -> None:
-    first = procs(["submit", "--run", "two", "--storage", "runs", "--grace", "3", "--",
-                   "sleep", "60"], tmp_path)
+    first = procs(
+        ["submit", "--run", "two", "--storage", "runs", "--grace", "3", "--", "sleep", "60"],
+        tmp_path,
+    )
     holder_path = tmp_path / "runs" / "two" / "locks" / "supervisor.json"
     poll(holder_path.exists)
     poll(lambda: "spawn" in kinds(tmp_path / "runs" / "two"))
@@ -145,8 +221,7 @@ def test_second_supervisor_is_refused_naming_the_holder(tmp_path: Path, procs: S
     second = cli(["run", "--run", "two", "--storage", "runs"], tmp_path)
     assert second.returncode == 2
     assert f"supervisor pid {holder['pid']}" in second.stderr
-    resub = cli(["submit", "--run", "two", "--storage", "runs", "--", "sleep", "60"],
-                tmp_path)
+    resub = cli(["submit", "--run", "two", "--storage", "runs", "--", "sleep", "60"], tmp_path)
     assert resub.returncode == 2 and "is alive" in resub.stderr
     st = cli(["status", "two", "--storage", "runs"], tmp_path)
     assert "RUNNING" in st.stdout and str(holder["pid"]) in st.stdout
@@ -159,19 +234,45 @@ def test_second_supervisor_is_refused_naming_the_holder(tmp_path: Path, procs: S
 
 
 def test_changed_launch_of_a_frozen_run_is_refused(tmp_path: Path) -> None:
-    assert cli(["submit", "--run", "x", "--storage", "runs", "--", "true"],
-               tmp_path).returncode == 0
+    assert (
+        cli(["submit", "--run", "x", "--storage", "runs", "--", "true"], tmp_path).returncode == 0
+    )
     r = cli(["submit", "--run", "x", "--storage", "runs", "--", "true", "--extra"], tmp_path)
     assert r.returncode == 4
     assert "command: true → true --extra" in r.stderr
-    ok = cli(["submit", "--run", "x", "--storage", "runs", "--allow-change", "launch_hash",
-              "--", "true", "--extra"], tmp_path)
+    ok = cli(
+        [
+            "submit",
+            "--run",
+            "x",
+            "--storage",
+            "runs",
+            "--allow-change",
+            "launch_hash",
+            "--",
+            "true",
+            "--extra",
+        ],
+        tmp_path,
+    )
     assert ok.returncode == 0, ok.stderr
 
 
 def test_int_is_forwarded_and_stops_the_run(tmp_path: Path, procs: Start) -> None:
-    sup = procs(["submit", "--run", "int", "--storage", "runs", "--", PY, "-c",
-                 "import time; print('up', flush=True); time.sleep(60)"], tmp_path)
+    sup = procs(
+        [
+            "submit",
+            "--run",
+            "int",
+            "--storage",
+            "runs",
+            "--",
+            PY,
+            "-c",
+            "import time; print('up', flush=True); time.sleep(60)",
+        ],
+        tmp_path,
+    )
     sup.wait_line("^up$")
     sup.proc.send_signal(signal.SIGINT)
     assert sup.wait(timeout=30) == 1
@@ -182,8 +283,23 @@ def test_int_is_forwarded_and_stops_the_run(tmp_path: Path, procs: Start) -> Non
 def test_chaos_preempt_every_demo_survives_and_completes(tmp_path: Path, procs: Start) -> None:
     # The period must exceed the child's start-up (torch import): a notice that arrives
     # before the first step only re-saves the resumed step ("no new checkpoint").
-    sup = procs(["submit", "--run", "chaos", "--storage", "runs", "--chaos-preempt-every",
-                 "4s", CHILD, "--steps", "120", "--step-s", "0.03"], tmp_path)
+    sup = procs(
+        [
+            "submit",
+            "--run",
+            "chaos",
+            "--storage",
+            "runs",
+            "--chaos-preempt-every",
+            "4s",
+            CHILD,
+            "--steps",
+            "120",
+            "--step-s",
+            "0.03",
+        ],
+        tmp_path,
+    )
     assert sup.wait(timeout=300) == 0, sup.text
     evs = events(tmp_path / "runs" / "chaos")
     notices = [e for e in evs if e["kind"] == "notice"]
@@ -198,8 +314,20 @@ def test_chaos_preempt_every_demo_survives_and_completes(tmp_path: Path, procs: 
 def test_orphans_of_the_command_are_waited_for_and_reaped(tmp_path: Path, procs: Start) -> None:
     # The shell exits at once; its background child is adopted by the supervisor
     # (subreaper) and the attempt ends only when it is gone too.
-    sup = procs(["submit", "--run", "orph", "--storage", "runs", "--", "sh", "-c",
-                 "(sleep 1; echo orphan-done) & exit 0"], tmp_path)
+    sup = procs(
+        [
+            "submit",
+            "--run",
+            "orph",
+            "--storage",
+            "runs",
+            "--",
+            "sh",
+            "-c",
+            "(sleep 1; echo orphan-done) & exit 0",
+        ],
+        tmp_path,
+    )
     assert sup.wait(timeout=60) == 0, sup.text
     assert "orphan-done" in sup.text
     evs = events(tmp_path / "runs" / "orph")

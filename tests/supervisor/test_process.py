@@ -34,6 +34,7 @@ def reap_pid(pid: int, timeout: float = 10.0) -> int:
     def done() -> bool:
         got.update(process.reap())
         return pid in got
+
     wait_for(done, timeout)
     return got[pid]
 
@@ -116,8 +117,9 @@ SUBREAPER = textwrap.dedent("""
 
 
 def test_subreaper_reaps_orphaned_grandchildren() -> None:
-    out = subprocess.run([sys.executable, "-c", SUBREAPER], capture_output=True, text=True,
-                         timeout=30, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SUBREAPER], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
     res = json.loads(out)
     assert res["ok"] and res["sub"]
     assert res["reaped"][str(res["child"])] == 0
@@ -127,13 +129,19 @@ def test_subreaper_reaps_orphaned_grandchildren() -> None:
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
 def test_as_pid1_in_a_pid_namespace() -> None:
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True)
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True
+    )
     if probe.returncode != 0:
         pytest.skip("cannot create a PID namespace here: " + probe.stderr.decode()[:200])
     code = SUBREAPER.replace("print(json.dumps({", "print(json.dumps({'pid': os.getpid(), ")
-    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                          code], capture_output=True, text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     res = json.loads(out)
     assert res["pid"] == 1 and res["ok"]
     assert len(res["reaped"]) == 3

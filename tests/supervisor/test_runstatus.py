@@ -16,8 +16,7 @@ T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def at(s: float) -> str:
-    return (T0 + dt.timedelta(seconds=s)).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z")
+    return (T0 + dt.timedelta(seconds=s)).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def commit(step: int, t: float, save_s: float, kind: str = "recovery") -> dict[str, Any]:
@@ -31,20 +30,40 @@ def test_goodput_lost_work_and_saving_time(tmp_path: Path) -> None:
     evs: list[dict[str, Any]] = [
         {"utc": at(0), "attempt": 0, "kind": "spawn"},
         {"utc": at(0), "attempt": 0, "kind": "attempt_start"},
-        {"utc": at(21), "attempt": 0, "kind": "attempt_end", "status": 75,
-         "commits": [commit(100, 10, 1.0), commit(200, 20, 1.0)]},
+        {
+            "utc": at(21),
+            "attempt": 0,
+            "kind": "attempt_end",
+            "status": 75,
+            "commits": [commit(100, 10, 1.0), commit(200, 20, 1.0)],
+        },
         {"utc": at(21), "attempt": 0, "kind": "preempted", "new_checkpoint": True},
         {"utc": at(25), "attempt": 1, "kind": "spawn"},
         {"utc": at(25), "attempt": 1, "kind": "attempt_start", "step": 200},
-        {"utc": at(40), "attempt": 1, "kind": "attempt_end", "status": 1,
-         "commits": [commit(290, 35, 1.0)]},
+        {
+            "utc": at(40),
+            "attempt": 1,
+            "kind": "attempt_end",
+            "status": 1,
+            "commits": [commit(290, 35, 1.0)],
+        },
         {"utc": at(40), "attempt": 1, "kind": "backoff"},
         {"utc": at(45), "attempt": 2, "kind": "spawn"},
         {"utc": at(45), "attempt": 2, "kind": "attempt_start", "step": 290},
-        {"utc": at(50.5), "attempt": 2, "kind": "attempt_end", "status": 0,
-         "commits": [commit(300, 50, 0.5, "final")]},
-        {"utc": at(50.5), "attempt": 2, "kind": "supervisor_exit", "state": "COMPLETED",
-         "exit_code": 0},
+        {
+            "utc": at(50.5),
+            "attempt": 2,
+            "kind": "attempt_end",
+            "status": 0,
+            "commits": [commit(300, 50, 0.5, "final")],
+        },
+        {
+            "utc": at(50.5),
+            "attempt": 2,
+            "kind": "supervisor_exit",
+            "state": "COMPLETED",
+            "exit_code": 0,
+        },
     ]
     Path(rd.events_path).write_text("".join(json.dumps(e) + "\n" for e in evs) + '{"torn')
     s = runstatus.summarize(rd)

@@ -10,8 +10,16 @@ import pytest
 from ckrun.supervisor import machine as sm
 from ckrun.supervisor.machine import Phase
 
-P = sm.Policy(max_requeues=2, max_failures=3, crash_loop_failures=2, grace_s=30.0,
-              margin_s=2.0, kill_delay_s=5.0, backoff_s=1.0, backoff_max_s=3.0)
+P = sm.Policy(
+    max_requeues=2,
+    max_failures=3,
+    crash_loop_failures=2,
+    grace_s=30.0,
+    margin_s=2.0,
+    kill_delay_s=5.0,
+    backoff_s=1.0,
+    backoff_max_s=3.0,
+)
 
 
 def st(**kw: Any) -> sm.State:
@@ -25,63 +33,162 @@ def running(**kw: Any) -> sm.State:
 
 
 def draining(**kw: Any) -> sm.State:
-    base = dict(phase=Phase.DRAINING, notice_at=100.0, deadline=130.0, notice_kind="drill",
-                notice_source="cli:preempt")
+    base = dict(
+        phase=Phase.DRAINING,
+        notice_at=100.0,
+        deadline=130.0,
+        notice_kind="drill",
+        notice_source="cli:preempt",
+    )
     base.update(kw)
     return running(**base)
 
 
 def kinds(actions: list[sm.Action]) -> list[str]:
-    return [type(a).__name__ + (f":{a.kind}" if isinstance(a, sm.Log) else "")
-            + (f":{a.code}" if isinstance(a, sm.Exit) else "") for a in actions]
+    return [
+        type(a).__name__
+        + (f":{a.kind}" if isinstance(a, sm.Log) else "")
+        + (f":{a.code}" if isinstance(a, sm.Exit) else "")
+        for a in actions
+    ]
 
 
 # (name, state, event, expected phase, expected action kinds)
 TABLE = [
-    ("preflight complete", st(), sm.Preflighted("complete", 50),
-     Phase.ALREADY_COMPLETE, ["Log:already_complete", "Exit:0"]),
-    ("preflight incompatible", st(), sm.Preflighted("incompatible", 50, ("launch_hash: a → b",)),
-     Phase.INCOMPATIBLE, ["Log:incompatible", "Exit:4"]),
-    ("preflight ready", st(), sm.Preflighted("ready", 50),
-     Phase.RUNNING, ["Spawn", "Log:attempt_start"]),
-    ("preflight cancelled", st(), sm.Preflighted("cancelled"),
-     Phase.CANCELLED, ["Log:cancelled", "Exit:0"]),
-    ("child exits 0", running(), sm.ChildExited(0, 20, True, 5.0),
-     Phase.COMPLETED, ["Log:child_exit", "Log:completed", "Exit:0"]),
-    ("child fails, budget left", running(), sm.ChildExited(1, 20, False, 5.0),
-     Phase.RUNNING, ["Log:child_exit", "Log:backoff"]),
-    ("child fails, budget spent", running(failures=3), sm.ChildExited(1, 20, False, 5.0),
-     Phase.FAILED, ["Log:child_exit", "Log:failed", "Exit:1"]),
-    ("child fails, no progress (crash loop)", running(no_progress=1),
-     sm.ChildExited(1, 10, False, 5.0), Phase.FAILED, ["Log:child_exit", "Log:failed", "Exit:1"]),
-    ("child exits 4", running(), sm.ChildExited(4, 10), Phase.INCOMPATIBLE,
-     ["Log:child_exit", "Log:incompatible", "Exit:4"]),
-    ("child exits 3", running(), sm.ChildExited(3, 10), Phase.FAILED,
-     ["Log:child_exit", "Log:failed", "Exit:3"]),
-    ("child exits 75 on its own", running(), sm.ChildExited(75, 11, False, 5.0),
-     Phase.PREEMPTED, ["Log:child_exit", "Log:preempted", "Requeue"]),
-    ("notice", running(), sm.NoticeEvent("drill", "cli", 1000.0, 100.0),
-     Phase.DRAINING, ["WriteNotice", "Deliver", "Log:notice"]),
-    ("INT forwarded", running(), sm.Forward(int(signal.SIGINT)),
-     Phase.RUNNING, ["SignalGroup", "Log:forward"]),
-    ("second notice", draining(), sm.NoticeEvent("preemption", "aws", 120.0, 101.0),
-     Phase.DRAINING, ["Log:notice"]),
-    ("draining child exits", draining(), sm.ChildExited(75, 11, False, 101.0, 0.4),
-     Phase.PREEMPTED, ["Log:child_exit", "Log:preempted", "Requeue"]),
-    ("deadline minus margin", draining(), sm.Tick(128.0),
-     Phase.STOPPING, ["Escalate", "Log:escalate"]),
+    (
+        "preflight complete",
+        st(),
+        sm.Preflighted("complete", 50),
+        Phase.ALREADY_COMPLETE,
+        ["Log:already_complete", "Exit:0"],
+    ),
+    (
+        "preflight incompatible",
+        st(),
+        sm.Preflighted("incompatible", 50, ("launch_hash: a → b",)),
+        Phase.INCOMPATIBLE,
+        ["Log:incompatible", "Exit:4"],
+    ),
+    (
+        "preflight ready",
+        st(),
+        sm.Preflighted("ready", 50),
+        Phase.RUNNING,
+        ["Spawn", "Log:attempt_start"],
+    ),
+    (
+        "preflight cancelled",
+        st(),
+        sm.Preflighted("cancelled"),
+        Phase.CANCELLED,
+        ["Log:cancelled", "Exit:0"],
+    ),
+    (
+        "child exits 0",
+        running(),
+        sm.ChildExited(0, 20, True, 5.0),
+        Phase.COMPLETED,
+        ["Log:child_exit", "Log:completed", "Exit:0"],
+    ),
+    (
+        "child fails, budget left",
+        running(),
+        sm.ChildExited(1, 20, False, 5.0),
+        Phase.RUNNING,
+        ["Log:child_exit", "Log:backoff"],
+    ),
+    (
+        "child fails, budget spent",
+        running(failures=3),
+        sm.ChildExited(1, 20, False, 5.0),
+        Phase.FAILED,
+        ["Log:child_exit", "Log:failed", "Exit:1"],
+    ),
+    (
+        "child fails, no progress (crash loop)",
+        running(no_progress=1),
+        sm.ChildExited(1, 10, False, 5.0),
+        Phase.FAILED,
+        ["Log:child_exit", "Log:failed", "Exit:1"],
+    ),
+    (
+        "child exits 4",
+        running(),
+        sm.ChildExited(4, 10),
+        Phase.INCOMPATIBLE,
+        ["Log:child_exit", "Log:incompatible", "Exit:4"],
+    ),
+    (
+        "child exits 3",
+        running(),
+        sm.ChildExited(3, 10),
+        Phase.FAILED,
+        ["Log:child_exit", "Log:failed", "Exit:3"],
+    ),
+    (
+        "child exits 75 on its own",
+        running(),
+        sm.ChildExited(75, 11, False, 5.0),
+        Phase.PREEMPTED,
+        ["Log:child_exit", "Log:preempted", "Requeue"],
+    ),
+    (
+        "notice",
+        running(),
+        sm.NoticeEvent("drill", "cli", 1000.0, 100.0),
+        Phase.DRAINING,
+        ["WriteNotice", "Deliver", "Log:notice"],
+    ),
+    (
+        "INT forwarded",
+        running(),
+        sm.Forward(int(signal.SIGINT)),
+        Phase.RUNNING,
+        ["SignalGroup", "Log:forward"],
+    ),
+    (
+        "second notice",
+        draining(),
+        sm.NoticeEvent("preemption", "aws", 120.0, 101.0),
+        Phase.DRAINING,
+        ["Log:notice"],
+    ),
+    (
+        "draining child exits",
+        draining(),
+        sm.ChildExited(75, 11, False, 101.0, 0.4),
+        Phase.PREEMPTED,
+        ["Log:child_exit", "Log:preempted", "Requeue"],
+    ),
+    (
+        "deadline minus margin",
+        draining(),
+        sm.Tick(128.0),
+        Phase.STOPPING,
+        ["Escalate", "Log:escalate"],
+    ),
     ("before the margin nothing", draining(), sm.Tick(127.9), Phase.DRAINING, []),
-    ("stopping kill delay", draining(phase=Phase.STOPPING, kill_at=133.0), sm.Tick(133.0),
-     Phase.STOPPING, ["Kill", "Log:kill"]),
-    ("stopping child exits", draining(phase=Phase.STOPPING, kill_at=133.0),
-     sm.ChildExited(143, 10, False, 131.0), Phase.PREEMPTED,
-     ["Log:child_exit", "Log:preempted", "Requeue"]),
+    (
+        "stopping kill delay",
+        draining(phase=Phase.STOPPING, kill_at=133.0),
+        sm.Tick(133.0),
+        Phase.STOPPING,
+        ["Kill", "Log:kill"],
+    ),
+    (
+        "stopping child exits",
+        draining(phase=Phase.STOPPING, kill_at=133.0),
+        sm.ChildExited(143, 10, False, 131.0),
+        Phase.PREEMPTED,
+        ["Log:child_exit", "Log:preempted", "Requeue"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,state,event,phase,actions", TABLE, ids=[t[0] for t in TABLE])
-def test_transition(name: str, state: sm.State, event: sm.Event, phase: Phase,
-                    actions: list[str]) -> None:
+def test_transition(
+    name: str, state: sm.State, event: sm.Event, phase: Phase, actions: list[str]
+) -> None:
     new, acts = sm.step(state, event)
     assert new.phase is phase
     assert kinds(acts) == actions
@@ -131,8 +238,10 @@ def test_backoff_doubles_and_is_capped_then_preflight() -> None:
     s = running()
     delays = []
     for i in range(3):
-        s, acts = sm.step(dataclasses.replace(s, child=True, phase=Phase.RUNNING),
-                          sm.ChildExited(1, 11 + i, False, 10.0 * i))
+        s, acts = sm.step(
+            dataclasses.replace(s, child=True, phase=Phase.RUNNING),
+            sm.ChildExited(1, 11 + i, False, 10.0 * i),
+        )
         assert s.respawn_at is not None
         delays.append(s.respawn_at - 10.0 * i)
         s = dataclasses.replace(s, base_step=11 + i)
@@ -156,8 +265,7 @@ def test_forwarded_int_then_exit_stops_without_restart() -> None:
 
 
 def test_cancel_drains_then_stops_with_0() -> None:
-    s, _ = sm.step(running(), sm.NoticeEvent("termination", "cli:cancel", 999.0, 1.0,
-                                             cancel=True))
+    s, _ = sm.step(running(), sm.NoticeEvent("termination", "cli:cancel", 999.0, 1.0, cancel=True))
     assert s.phase is Phase.DRAINING
     s, acts = sm.step(s, sm.ChildExited(75, 11, False, 2.0))
     assert s.phase is Phase.CANCELLED and acts[-1] == sm.Exit(0)

@@ -25,8 +25,9 @@ def test_local_run_has_no_scheduler_view(tmp_path: Path) -> None:
     assert runstatus.scheduler_view(rd) is None
 
 
-def test_unreachable_kubernetes_is_reported_not_raised(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unreachable_kubernetes_is_reported_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # No API server can run on these machines: point the client at nothing.
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
@@ -38,8 +39,7 @@ def test_unreachable_kubernetes_is_reported_not_raised(tmp_path: Path,
     assert "k8s job ml/train-x: " in text
 
 
-def test_slurm_view_without_slurm_commands(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurm_view_without_slurm_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no squeue/sacct/scontrol
     rd = _rundir(tmp_path, {"backend": "slurm", "job_id": "4242"})
     view = runstatus.scheduler_view(rd)

@@ -30,8 +30,7 @@ def main() -> None:
     run_dir, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     st = GatedStorage(run_dir)
-    ck = ckrun.Checkpointer(storage=run_dir if mode == "plain" else st, rng=False,
-                            keep_last=2)
+    ck = ckrun.Checkpointer(storage=run_dir if mode == "plain" else st, rng=False, keep_last=2)
     w, extra = torch.zeros(N), {"step": -1}
     state = {"w": w, "extra": extra}
     m = ck.load(state)

@@ -19,14 +19,20 @@ SIZE = 64 * 1024  # float32 elements per tensor: 256 KiB, x2 tensors
 
 
 def state_for(step: int) -> dict[str, object]:
-    return {"w": torch.full((SIZE,), float(step)), "b": torch.arange(SIZE) + step,
-            "extra": {"step": step}}
+    return {
+        "w": torch.full((SIZE,), float(step)),
+        "b": torch.arange(SIZE) + step,
+        "extra": {"step": step},
+    }
 
 
 def saver(run_dir: str) -> None:
     ck = ckrun.Checkpointer(storage=run_dir, keep_last=2, milestone_every=25, rng=False)
-    state = {"w": torch.zeros(SIZE), "b": torch.zeros(SIZE, dtype=torch.int64),
-             "extra": {"step": -1}}
+    state = {
+        "w": torch.zeros(SIZE),
+        "b": torch.zeros(SIZE, dtype=torch.int64),
+        "extra": {"step": -1},
+    }
     m = ck.load(state)
     step = m.step + 1 if m else 0
     while True:

@@ -36,8 +36,9 @@ def main() -> int:
     np.random.seed(0)
     g = torch.Generator().manual_seed(123)
     data = TensorDataset(torch.randn(44, 6, generator=g), torch.randn(44, 1, generator=g))
-    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.GELU(),
-                                torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 32), torch.nn.GELU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=total + 1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
@@ -47,11 +48,24 @@ def main() -> int:
     # resumed process creates an iterator mid-epoch.
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
     extra = {"noise": 0.0}
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler,
-             "sampler": sampler, "extra": extra}
-    ck = ckrun.Checkpointer(storage=run_dir, compat={"config": {"lr": 3e-3}, "model_version":
-                            "tiny", "dataset_version": "synthetic", "precision": "bf16"},
-                            keep_last=2)
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "scaler": scaler,
+        "sampler": sampler,
+        "extra": extra,
+    }
+    ck = ckrun.Checkpointer(
+        storage=run_dir,
+        compat={
+            "config": {"lr": 3e-3},
+            "model_version": "tiny",
+            "dataset_version": "synthetic",
+            "precision": "bf16",
+        },
+        keep_last=2,
+    )
     # CKRUN_TEST_ASYNC=1: background saves (issue 7)
     save = ck.async_save if os.environ.get("CKRUN_TEST_ASYNC") == "1" else ck.save
     m = ck.load(state)
