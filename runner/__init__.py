@@ -10,6 +10,8 @@ The public API (users' training scripts rely on these names)::
     handle = ckpt.async_save(step, state)   # returns after the host snapshot; ckpt.wait()
     ckpt = ckrun.Checkpointer(..., checkpoint_every="auto"); ckpt.should_save(step)
     if ckrun.preemption_requested(sync=True): ...   # sync: all ranks agree (MAX)
+    ckrun.save({"model": model, **ckrun.live(globals(), "iter_num")}, "out/ckpt.pt")
+    ckrun.load("out/ckpt.pt", into=state)   # torch.save/torch.load drop-in, no pickle
 
 Heavy dependencies (torch, boto3, kubernetes, submitit) are imported lazily, so
 ``import ckrun`` and the supervisor start without torch.
@@ -43,6 +45,9 @@ _LAZY = {
     "ResumableSampler": "ckrun.checkpoint.sampler",
     "SaveHandle": "ckrun.checkpoint.checkpointer",
     "open_storage": "ckrun.storage",
+    "save": "ckrun.checkpoint.drop_in",
+    "load": "ckrun.checkpoint.drop_in",
+    "live": "ckrun.checkpoint.drop_in",
 }
 
 __all__ = [
@@ -61,8 +66,11 @@ __all__ = [
     "StorageError",
     "StorageFull",
     "install_signal_handlers",
+    "live",
+    "load",
     "open_storage",
     "preemption_requested",
+    "save",
 ]
 
 

@@ -31,13 +31,15 @@ def _has_state_dict(v: Any) -> bool:
     )
 
 
-def _capture_value(v: Any) -> Any:
+def capture_value(v: Any) -> Any:
+    """One state entry as saved: tensors detached, objects through ``state_dict()``,
+    mappings recursively, anything else as it is."""
     if isinstance(v, torch.Tensor):
         return v.detach()
     if _has_state_dict(v) and not isinstance(v, Mapping):
         return v.state_dict()
     if isinstance(v, Mapping):
-        return {k: _capture_value(x) for k, x in v.items()}
+        return {k: capture_value(x) for k, x in v.items()}
     return v
 
 
@@ -52,7 +54,7 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
         )
     return {
         "version": TREE_VERSION,
-        "user": {str(k): _capture_value(v) for k, v in state.items()},
+        "user": {str(k): capture_value(v) for k, v in state.items()},
         "rng": rng_state() if rng else None,
     }
 
@@ -68,16 +70,22 @@ def restore(state: MutableMapping[str, Any], tree: Mapping[str, Any], *, where: 
     """
     if not isinstance(tree, Mapping) or tree.get("version") != TREE_VERSION:
         raise CheckpointError(f"{where}: unknown run-state layout; upgrade ckrun")
-    _restore_into(state, tree["user"], where)
+    restore_into(state, tree["user"], where)
     if tree.get("rng") is not None:
         set_rng_state(tree["rng"])
 
 
-def _restore_into(
+def restore_into(
     state: MutableMapping[str, Any], saved: Mapping[str, Any], where: str, top: bool = True
 ) -> None:
-    """Top level: only the keys the caller passed are restored (others logged).  Nested
-    dicts (``extra``) get the checkpoint's keys added."""
+    """Restore ``saved`` into ``state`` in place (see :func:`restore`).
+
+    Top level: only the keys the caller passed are restored (others logged).  Nested
+    dicts (``extra``) get the checkpoint's keys added.
+
+    Raises:
+        CheckpointError: a ``load_state_dict`` or tensor copy failed (names the key).
+    """
     for k in state.keys() - saved.keys():
         log.warning("%s has no entry %r: it keeps its current value", where, k)
     for k in saved.keys() - state.keys():
@@ -94,7 +102,7 @@ def _restore_into(
                 with torch.no_grad():
                     cur.copy_(new)
             elif isinstance(cur, MutableMapping) and isinstance(new, Mapping):
-                _restore_into(cur, new, f"{where}[{k!r}]", top=False)
+                restore_into(cur, new, f"{where}[{k!r}]", top=False)
             else:
                 state[k] = new
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
