@@ -149,28 +149,37 @@ def _name(path: str) -> str:
     return rel if not rel.startswith("..") else os.path.basename(path)
 
 
-def _read_file(path: str) -> dict[str, Any]:
+def _read(f: Any, size: int, key: str) -> dict[str, Any]:
+    """Verify the trailer, size and CRC32C of a :func:`save` file, then decode it."""
     from ckrun.checkpoint import shard as fmt
 
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        if size < TRAILER.size:
-            raise CorruptCheckpoint(f"{path}: {size} bytes, too short for a ckrun file", key=path)
-        f.seek(size - TRAILER.size)
-        magic, n, crc, _ = TRAILER.unpack(f.read(TRAILER.size))
-        if magic != TRAILER_MAGIC:
-            raise CorruptCheckpoint(
-                f"{path}: no ckrun trailer (not written by ckrun.save, or truncated)", key=path
-            )
-        if n != size - TRAILER.size:
-            raise CorruptCheckpoint(f"{path}: trailer says {n} bytes, file has {size}", key=path)
-        f.seek(0)
-        tree = fmt.read_shard(
-            io.BufferedReader(_Bounded(f, n)), size_bytes=n, checksum=f"crc32c:{crc:08x}", key=path
+    if size < TRAILER.size:
+        raise CorruptCheckpoint(f"{key}: {size} bytes, too short for a ckrun file", key=key)
+    f.seek(size - TRAILER.size)
+    magic, n, crc, _ = TRAILER.unpack(f.read(TRAILER.size))
+    if magic != TRAILER_MAGIC:
+        raise CorruptCheckpoint(
+            f"{key}: no ckrun trailer (not written by ckrun.save, or truncated)", key=key
         )
+    if n != size - TRAILER.size:
+        raise CorruptCheckpoint(f"{key}: trailer says {n} bytes, file has {size}", key=key)
+    f.seek(0)
+    tree = fmt.read_shard(
+        io.BufferedReader(_Bounded(f, n)), size_bytes=n, checksum=f"crc32c:{crc:08x}", key=key
+    )
     if not isinstance(tree, dict):
-        raise CorruptCheckpoint(f"{path}: not a dict", key=path)
+        raise CorruptCheckpoint(f"{key}: not a dict", key=key)
     return tree
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return _read(f, os.fstat(f.fileno()).st_size, path)
+
+
+def loads(raw: bytes, *, key: str = "<bytes>") -> dict[str, Any]:
+    """:func:`load` from the bytes of a :func:`save` file (verified the same way)."""
+    return _read(io.BytesIO(raw), len(raw), key)
 
 
 def load(path: str, into: MutableMapping[str, Any] | None = None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckrun.errors import CheckpointError, CkrunError
+from ckrun.errors import CheckpointError, CkrunError, UsageError
 
 UNINTERRUPTED = "uninterrupted"
 INTERRUPTED = "interrupted"
@@ -41,6 +41,12 @@ _HINTS: list[tuple[str, str]] = [
         "step",
         "the runs ended on different steps: the loop's start step after load() "
         "must be manifest.step + 1",
+    ),
+    (
+        "user.progress",
+        "the training progress differs (global step, epoch, batches consumed in the "
+        "epoch, per-step log): the data position was not restored, or the resumed run "
+        "ran another number of steps",
     ),
     (
         "user.sampler",
@@ -79,6 +85,10 @@ _HINTS: list[tuple[str, str]] = [
     ),
     ("rng", "an RNG state differs"),
 ]
+
+
+class NoCkrunCheckpoints(UsageError):
+    """The checked command committed no checkpoint through ckrun (exit 2, not 5)."""
 
 
 @dataclass
@@ -197,21 +207,38 @@ def compare_trees(
 def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     """The final checkpoint of a run: ``(step, tree)`` with ``step`` added to the tree.
 
+    A file set (Hugging Face, Lightning, a script's own checkpoint files) is decoded by
+    :func:`ckrun.cli.resume_artifacts.file_set_tree`.
+
     Raises:
-        CheckpointError: the run has no final checkpoint (it did not complete).
+        NoCkrunCheckpoints: the run committed nothing at all (the command does not use
+            ckrun, or saves outside it).
+        CheckpointError: the run has checkpoints but no final one (it did not complete).
     """
-    from ckrun.checkpoint import discovery
+    from ckrun.checkpoint import discovery, fileset
     from ckrun.checkpoint import shard as fmt
+    from ckrun.cli.resume_artifacts import file_set_tree
     from ckrun.storage import open_storage
 
     storage = open_storage(run_root)
-    finals = [m for m in discovery.committed(storage) if m.kind == "final"]
+    ms = discovery.committed(storage)
+    if not ms:
+        raise NoCkrunCheckpoints(
+            f"the command exited 0 but committed no checkpoint through ckrun in {run_root}, "
+            "so there is nothing to compare: check-resume needs a command that saves with "
+            "ckrun (Checkpointer.finalize, ckrun.save, the Hugging Face or Lightning "
+            "callback of ckrun.integrations) or, for a script that keeps its own "
+            "checkpoint file, --checkpoint-path FILE (see the README)"
+        )
+    finals = [m for m in ms if m.kind == "final"]
     if not finals:
         raise CheckpointError(
             f"{run_root} has no final checkpoint: the run did not complete "
             "(see its events.jsonl and the output above)"
         )
     m = finals[0]
+    if fileset.is_file_set(m):
+        return m.step, file_set_tree(m.step, fileset.read_files(storage, m).files)
     tree: dict[str, Any] = {"step": m.step}
     for s in sorted(m.shards, key=lambda s: s.rank):
         with storage.open_read(s.key) as f:

@@ -1,0 +1,87 @@
+"""What the framework integrations share: the run's storage, commits of a directory, the
+exit on a notice (issue 15).  No framework import here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ckrun.checkpoint import fileset
+from ckrun.checkpoint.commit import StepAlreadyCommitted
+from ckrun.checkpoint.env import env_int
+from ckrun.checkpoint.manifest import Manifest
+from ckrun.errors import ExitCode
+from ckrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+def run_storage(storage: str | Storage | None = None) -> Storage | None:
+    """``storage``, else the supervisor's ``CKRUN_STORAGE``, else None (not supervised)."""
+    from ckrun.storage import open_storage
+
+    if storage is not None and not isinstance(storage, str):
+        return storage
+    url = storage or os.environ.get("CKRUN_STORAGE")
+    return open_storage(url) if url else None
+
+
+def launch_compat() -> dict[str, Any]:
+    """The compat block the supervisor's preflight checks (``launch_hash``)."""
+    h = os.environ.get("CKRUN_CONFIG_HASH")
+    return {"launch_hash": h} if h else {}
+
+
+def dir_files(root: str, top: str) -> dict[str, str]:
+    """``{"top/rel/path": absolute path}`` for every regular file under ``root/top``."""
+    out: dict[str, str] = {}
+    base = os.path.join(root, top)
+    for d, _, names in os.walk(base):
+        for n in names:
+            p = os.path.join(d, n)
+            if os.path.isfile(p) and not n.startswith(".ckrun-"):
+                out[os.path.relpath(p, root).replace(os.sep, "/")] = p
+    return out
+
+
+def commit(
+    storage: Storage,
+    step: int,
+    files: Mapping[str, str],
+    *,
+    kind: str = "recovery",
+    keep_last: int = 3,
+    resumed_from: int | None = None,
+) -> Manifest | None:
+    """Commit ``files`` as ``step`` (see :func:`ckrun.checkpoint.fileset.commit_files`).
+
+    Returns None when this step is already committed with other contents (a re-run of
+    the same step after a resume: the committed one stands).
+    """
+    try:
+        return fileset.commit_files(
+            storage,
+            step,
+            files,
+            run=os.environ.get("CKRUN_RUN") or "run",
+            attempt=env_int("CKRUN_ATTEMPT", 0),
+            kind=kind,
+            compat=launch_compat(),
+            keep_last=keep_last,
+            resumed_from=resumed_from,
+        )
+    except StepAlreadyCommitted as e:
+        log.warning("step %d is already committed: %s", step, e)
+        return None
+
+
+def exit_preempted(step: int) -> None:
+    """Leave the process with 75 (:attr:`ExitCode.PREEMPTED`) after a committed save."""
+    print(
+        f"[ckrun] committed step {step} after the notice; exiting 75", file=sys.stderr, flush=True
+    )
+    sys.stdout.flush()
+    raise SystemExit(int(ExitCode.PREEMPTED))

@@ -1,0 +1,142 @@
+"""Hugging Face Trainer integration (issue 15): one callback and one resume line.
+
+::
+
+    from ckrun.integrations.hf import CkrunCallback, resume_checkpoint
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[CkrunCallback()])
+    trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
+
+On a notice (:func:`ckrun.preemption_requested`, checked in ``on_step_end``) the callback
+sets ``control.should_save`` and ``control.should_training_stop``: the Trainer writes its
+own full checkpoint ``checkpoint-N/`` (model, optimizer, scheduler, scaler, RNG of every
+generator it uses, ``trainer_state.json`` with the global step; the data position is the
+step count, from which the Trainer skips the batches already consumed in the epoch unless
+``ignore_data_skip``) at the end of that step.  In ``on_save`` ckrun commits that
+directory as a file set (:mod:`ckrun.checkpoint.fileset`: every file checksummed, the
+manifest written last, ckrun's retention) and the process exits 75.  Every checkpoint
+the Trainer saves on its own schedule is committed the same way.  After the last step
+the callback makes the Trainer save once more and commits that checkpoint as the run's
+final artifact (``COMPLETE.json``).
+
+:func:`resume_checkpoint` restores the newest *verified* commit into
+``output_dir/checkpoint-N`` (replacing a half-written directory of that name) and
+returns its path for ``trainer.train(resume_from_checkpoint=...)``; None on a fresh run.
+The HF layout is kept, so HF tools read the directory as usual.  Sources: transformers
+``TrainerCallback``/``TrainerControl`` and ``Trainer._maybe_log_save_evaluate`` /
+``_save_checkpoint`` (transformers 5.24).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ckrun.checkpoint import fileset
+from ckrun.control import install_signal_handlers, preemption_requested
+from ckrun.integrations.common import commit, dir_files, exit_preempted, run_storage
+from ckrun.storage.base import Storage
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+log = logging.getLogger(__name__)
+
+PREFIX = "checkpoint-"
+
+
+class CkrunCallback(TrainerCallback):  # type: ignore[misc]
+    """Commit the Trainer's checkpoints with ckrun and stop on a notice (module docstring).
+
+    Args:
+        storage: the run root (default ``CKRUN_STORAGE``, set by the supervisor); without
+            one the callback only stops training on a notice.
+        keep_last: ckrun's retention of committed checkpoints (>= 1).
+    """
+
+    def __init__(self, storage: str | Storage | None = None, keep_last: int = 3) -> None:
+        self.storage = run_storage(storage)
+        self.keep_last = keep_last
+        self.preempting = False
+        self.resumed_from: int | None = None
+        install_signal_handlers()
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> TrainerControl:
+        self.resumed_from = state.global_step or None
+        if args.ignore_data_skip and self.resumed_from:
+            log.warning(
+                "ignore_data_skip=True: the Trainer does not skip the batches already "
+                "consumed in this epoch; the resumed run sees other data than an "
+                "uninterrupted one"
+            )
+        if args.save_only_model:
+            log.warning(
+                "save_only_model=True: checkpoints hold no optimizer, scheduler or RNG "
+                "state; a resume is not exact"
+            )
+        return control
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> TrainerControl:
+        if preemption_requested(sync=True):
+            self.preempting = True
+            control.should_save = True
+            control.should_training_stop = True
+        if state.global_step >= state.max_steps:
+            control.should_save = True  # the final artifact is a full checkpoint
+        return control
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> TrainerControl:
+        step = state.global_step
+        if self.storage is not None and state.is_world_process_zero:
+            top = f"{PREFIX}{step}"
+            commit(
+                self.storage,
+                step,
+                dir_files(args.output_dir, top),
+                keep_last=self.keep_last,
+                resumed_from=self.resumed_from,
+            )
+        if self.preempting:
+            exit_preempted(step)
+        return control
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> TrainerControl:
+        top = f"{PREFIX}{state.global_step}"
+        if self.storage is None or not state.is_world_process_zero:
+            return control
+        if not os.path.isdir(os.path.join(args.output_dir, top)):
+            log.warning("no %s after the last step: no final artifact committed", top)
+            return control
+        commit(self.storage, state.global_step, dir_files(args.output_dir, top), kind="final")
+        return control
+
+
+def resume_checkpoint(output_dir: str, storage: str | Storage | None = None) -> str | None:
+    """Restore the newest verified committed ``checkpoint-N`` into ``output_dir``.
+
+    Args:
+        output_dir: the Trainer's ``args.output_dir``.
+        storage: the run root (default ``CKRUN_STORAGE``).
+
+    Returns:
+        The restored directory for ``trainer.train(resume_from_checkpoint=...)``, or None
+        when nothing is committed (a fresh run) or no storage is known.
+    """
+    st = run_storage(storage)
+    if st is None:
+        log.warning("resume_checkpoint: no CKRUN_STORAGE (not under ckrun): starting fresh")
+        return None
+    fs = fileset.newest(st, prefix=PREFIX)
+    if fs is None:
+        return None
+    top = f"{PREFIX}{fs.manifest.step}"
+    os.makedirs(output_dir, exist_ok=True)
+    path = fileset.restore_dir(fs, output_dir, top)
+    log.info("restored committed step %d into %s", fs.manifest.step, path)
+    return path
