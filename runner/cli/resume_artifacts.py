@@ -40,6 +40,8 @@ _KEYS = {
     "global_step": "user.progress.global_step",
     "iter_num": "user.progress.iter_num",
 }
+#: per-step digests (CKRUN_STEP_DIGEST=1): compared apart, to name the first diverging step
+STEPS = "ckrun_steps"
 # never compared: wall-clock facts that differ between any two runs
 _VOLATILE = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 
@@ -96,18 +98,31 @@ def file_set_tree(step: int, files: Mapping[str, Any]) -> dict[str, Any]:
         where = _rng_name(base) or _HF_FILES.get(base)
         if where is None and isinstance(tree, dict) and any(k in _KEYS for k in tree):
             for k, v in tree.items():  # a Lightning .ckpt or a script's own dict
-                _put(out, _KEYS.get(k) or _special(k) or f"user.{k}", v)
+                if k == "callbacks":
+                    _callbacks(out, v)
+                else:
+                    _put(out, _KEYS.get(k) or _special(k) or f"user.{k}", v)
             continue
         _put(out, where or f"user.files.{name}", tree)
     return out
 
 
 def _special(key: str) -> str | None:
-    if key == "callbacks":
-        return "user.callbacks"
     if key in ("rng", "rng_state", "rng_states"):
         return "rng"
     return None
+
+
+def _callbacks(out: dict[str, Any], cbs: Any) -> None:
+    """Lightning's ``callbacks`` entry: only ckrun's callback state is an outcome (others,
+    e.g. ModelCheckpoint, hold run-specific paths)."""
+    if not isinstance(cbs, dict):
+        return
+    for k, v in cbs.items():
+        if "CkrunCallback" in str(k) and isinstance(v, dict):
+            _put(out, "rng.lightning", v.get("rng"))
+            _put(out, "user.sampler", v.get("sampler"))
+            _put(out, STEPS, v.get("steps") or {})
 
 
 def _put(tree: dict[str, Any], path: str, v: Any) -> None:

@@ -85,3 +85,19 @@ def exit_preempted(step: int) -> None:
     )
     sys.stdout.flush()
     raise SystemExit(int(ExitCode.PREEMPTED))
+
+
+def step_digest(tensors: Any) -> str:
+    """CRC32C over the bytes of ``tensors`` (parameters after a step), as ``%08x``.
+
+    Recorded per step when ``CKRUN_STEP_DIGEST=1`` (``ckrun check-resume`` sets it), so
+    the comparison names the first step whose state differs.
+    """
+    import crc32c
+    import torch
+
+    crc = 0
+    for t in tensors:
+        b = t.detach().cpu().contiguous().view(-1).view(dtype=torch.uint8)
+        crc = crc32c.crc32c(b.numpy().data, crc)
+    return f"{crc:08x}"

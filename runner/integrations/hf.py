@@ -13,7 +13,9 @@ generator it uses, ``trainer_state.json`` with the global step; the data positio
 step count, from which the Trainer skips the batches already consumed in the epoch unless
 ``ignore_data_skip``) at the end of that step.  In ``on_save`` ckrun commits that
 directory as a file set (:mod:`ckrun.checkpoint.fileset`: every file checksummed, the
-manifest written last, ckrun's retention) and the process exits 75.  Every checkpoint
+manifest written last, ckrun's retention) and the process exits 75 — except after the
+last step, where the run finalizes and completes instead (no resume could run a step
+more).  Every checkpoint
 the Trainer saves on its own schedule is committed the same way.  After the last step
 the callback makes the Trainer save once more and commits that checkpoint as the run's
 final artifact (``COMPLETE.json``).
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 PREFIX = "checkpoint-"
 
 
-class CkrunCallback(TrainerCallback):  # type: ignore[misc]
+class CkrunCallback(TrainerCallback):
     """Commit the Trainer's checkpoints with ckrun and stop on a notice (module docstring).
 
     Args:
@@ -96,11 +98,11 @@ class CkrunCallback(TrainerCallback):  # type: ignore[misc]
             commit(
                 self.storage,
                 step,
-                dir_files(args.output_dir, top),
+                dir_files(str(args.output_dir), top),
                 keep_last=self.keep_last,
                 resumed_from=self.resumed_from,
             )
-        if self.preempting:
+        if self.preempting and step < state.max_steps:  # at the last step: finalize, exit 0
             exit_preempted(step)
         return control
 
@@ -110,10 +112,10 @@ class CkrunCallback(TrainerCallback):  # type: ignore[misc]
         top = f"{PREFIX}{state.global_step}"
         if self.storage is None or not state.is_world_process_zero:
             return control
-        if not os.path.isdir(os.path.join(args.output_dir, top)):
+        if not os.path.isdir(os.path.join(str(args.output_dir), top)):
             log.warning("no %s after the last step: no final artifact committed", top)
             return control
-        commit(self.storage, state.global_step, dir_files(args.output_dir, top), kind="final")
+        commit(self.storage, state.global_step, dir_files(str(args.output_dir), top), kind="final")
         return control
 
 

@@ -1,0 +1,268 @@
+"""PyTorch Lightning integration (issue 15): one callback and one resume line.
+
+::
+
+    from ckrun.integrations.lightning import CkrunCallback, resume_checkpoint
+    trainer = L.Trainer(max_steps=1000, callbacks=[CkrunCallback()])
+    trainer.fit(model, ckpt_path=resume_checkpoint("ckpts"))
+
+What the callback does (sources: Lightning 2.6 ``Callback``, ``Trainer.save_checkpoint``,
+``FitLoop.setup_data`` and ``_SignalConnector``):
+
+* **notice**: :func:`ckrun.preemption_requested` is checked in ``on_train_batch_end``;
+  on a notice (before the last batch: at the last one the final save follows anyway and
+  the run completes with exit 0) the callback calls ``trainer.save_checkpoint``
+  (Lightning's own full checkpoint: model, optimizers, schedulers, loops, callbacks),
+  commits that file as a ckrun file set (:mod:`ckrun.checkpoint.fileset`: checksummed,
+  manifest last, ckrun's retention) and exits 75.  When ``fit`` ends it saves and
+  commits the final artifact (also when a run resumed from a checkpoint of its last step
+  runs no step at all).
+* **data position**: Lightning restarts a plain ``DataLoader`` from the start of the epoch
+  on a mid-epoch resume ("dataloader is not resumable").  The callback rebuilds the
+  training ``DataLoader(shuffle=True)`` with a :class:`ckrun.ResumableSampler` (seeded from
+  ``torch.initial_seed()``) and its own ``torch.Generator`` (so creating the iterator draws
+  nothing from the global RNG), and stores the batches consumed in the epoch in the
+  checkpoint; the resumed run continues the same permutation at the next batch.
+* **RNG**: Lightning checkpoints hold no RNG state; the callback stores python, numpy,
+  torch and CUDA RNG states and restores them in ``on_train_start``, after the data
+  iterator exists, right before the first resumed batch.
+* **SLURM**: Lightning's own SLURM auto-requeue (``SLURMEnvironment(auto_requeue=True)``,
+  the default inside a Slurm job) is switched off in ``setup``: ckrun's supervisor
+  requeues; two requeues of one job would race.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sized
+from typing import Any, cast
+
+import lightning.pytorch as pl
+import torch
+from ckrun.checkpoint import fileset
+from ckrun.checkpoint.sampler import ResumableSampler
+from ckrun.checkpoint.state import rng_state, set_rng_state
+from ckrun.control import install_signal_handlers, preemption_requested
+from ckrun.integrations.common import commit, exit_preempted, run_storage, step_digest
+from ckrun.storage.base import Storage
+from torch.utils.data import DataLoader, RandomSampler
+
+log = logging.getLogger(__name__)
+
+PREFIX = "lightning/"
+
+
+class CkrunCallback(pl.Callback):
+    """Commit Lightning checkpoints with ckrun, stop on a notice, restore the data
+    position and RNG (module docstring).
+
+    Args:
+        dirpath: where the callback writes its checkpoint files (default
+            ``<trainer.default_root_dir>/ckrun``).
+        storage: the run root (default ``CKRUN_STORAGE``).
+        keep_last: ckrun's retention of committed checkpoints (>= 1).
+        every_n_steps: also save and commit every this many optimizer steps.
+        data_position: rebuild the training ``DataLoader(shuffle=True)`` so a mid-epoch
+            resume continues its permutation (False: leave the loader alone; a mid-epoch
+            resume then sees other batches than an uninterrupted run).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        storage: str | Storage | None = None,
+        keep_last: int = 3,
+        every_n_steps: int | None = None,
+        data_position: bool = True,
+    ) -> None:
+        self.dirpath = dirpath
+        self.storage = run_storage(storage)
+        self.keep_last, self.every_n_steps = keep_last, every_n_steps
+        self.data_position = data_position
+        self.sampler: ResumableSampler | None = None
+        self.batch_size = 1
+        self.steps: dict[str, str] = {}  # per-step digests (CKRUN_STEP_DIGEST=1)
+        self._pending: dict[str, Any] | None = None
+        self._resumed_from: int | None = None
+        self._consumed = 0
+        install_signal_handlers()
+
+    # -- setup: SLURM requeue off, the training loader made resumable ----------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+
+        connector = getattr(trainer, "_accelerator_connector", None)  # what registers signals
+        for env in (
+            getattr(trainer.strategy, "cluster_environment", None),
+            getattr(connector, "cluster_environment", None),
+        ):
+            if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+                env.auto_requeue = False
+                log.info("Lightning's SLURM auto-requeue is off: ckrun requeues the job")
+        if self.dirpath is None:
+            self.dirpath = os.path.join(trainer.default_root_dir, "ckrun")
+        if stage != "fit" or not self.data_position:
+            return
+        src = getattr(trainer.fit_loop, "_data_source", None)  # Lightning 2.x internals
+        if src is None or not callable(getattr(src, "dataloader", None)):
+            log.warning("cannot reach Lightning's training data source: data position not restored")
+            return
+        original = src.dataloader
+        src.dataloader = lambda: self._resumable(original())
+
+    def _resumable(self, loader: Any) -> Any:
+        if type(loader) is not DataLoader or not isinstance(loader.sampler, RandomSampler):
+            if not isinstance(getattr(loader, "sampler", None), ResumableSampler):
+                log.warning(
+                    "the training loader is not a DataLoader(shuffle=True): ckrun does not "
+                    "restore its position mid-epoch"
+                )
+            return loader
+        self.sampler = ResumableSampler(
+            len(cast(Sized, loader.dataset)), shuffle=True, seed=torch.initial_seed() % 2**31
+        )
+        if self._pending is not None and self._pending.get("sampler") is not None:
+            self.sampler.load_state_dict(self._pending["sampler"])
+        self.batch_size = loader.batch_size or 1
+        self._consumed = self.sampler.position
+        return DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            sampler=self.sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            drop_last=loader.drop_last,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+            generator=torch.Generator(),
+        )
+
+    # -- state in Lightning's checkpoint -----------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = None
+        if self.sampler is not None:
+            sampler = self.sampler.state_dict()
+            sampler["position"] = min(self._consumed, len(self.sampler))
+        return {"rng": _portable(rng_state()), "sampler": sampler, "steps": dict(self.steps)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = dict(state_dict)
+        self.steps = dict(state_dict.get("steps") or {})
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._resumed_from = trainer.global_step or None
+        if self._pending is not None and self._pending.get("rng") is not None:
+            set_rng_state(
+                _native(self._pending["rng"])
+            )  # last: the next draw is the resumed batch's
+        self._pending = None
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sampler is not None:
+            self._consumed = (
+                self.sampler.position if self.sampler.epoch == trainer.current_epoch else 0
+            )
+
+    # -- the notice, periodic and final saves -----------------------------------------
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._consumed += self.batch_size
+        step = trainer.global_step
+        if os.environ.get("CKRUN_STEP_DIGEST") == "1":
+            self.steps[str(step)] = step_digest(pl_module.parameters())
+        if preemption_requested(sync=True) and not _last_step(trainer):
+            self._save(trainer, step)
+            exit_preempted(step)
+        elif self.every_n_steps and step % self.every_n_steps == 0:
+            self._save(trainer, step)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # on_fit_end, not on_train_end: a run resumed from a checkpoint of its last step
+        # skips the training loop (and on_train_end) and must still finalize
+        if self._pending is not None and self._pending.get("rng") is not None:
+            set_rng_state(_native(self._pending["rng"]))  # resumed at the end: no on_train_start
+            self._pending = None
+        if not trainer.interrupted:
+            self._save(trainer, trainer.global_step, kind="final")
+
+    def _save(self, trainer: pl.Trainer, step: int, kind: str = "recovery") -> None:
+        assert self.dirpath is not None
+        name = f"step={step}.ckpt" if kind != "final" else f"final-step={step}.ckpt"
+        path = os.path.join(self.dirpath, name)
+        trainer.save_checkpoint(path)  # every rank must call it (a collective)
+        if self.storage is not None and trainer.is_global_zero:
+            commit(
+                self.storage,
+                step,
+                {PREFIX + name: path},
+                kind=kind,
+                keep_last=self.keep_last,
+                resumed_from=self._resumed_from,
+            )
+
+
+def _last_step(trainer: pl.Trainer) -> bool:
+    """The batch that just ended is the run's last: a notice now is answered by the
+    final save that follows anyway (no preemption, no resume that could run a step more)."""
+    if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    max_epochs = trainer.max_epochs
+    return bool(
+        trainer.is_last_batch
+        and max_epochs is not None
+        and 0 < max_epochs <= trainer.current_epoch + 1
+    )
+
+
+def _portable(rng: dict[str, Any]) -> dict[str, Any]:
+    """RNG states as tensors and primitives: Lightning loads with ``weights_only=True``."""
+    out = dict(rng)
+    if "numpy" in out:
+        name, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
+    return out
+
+
+def _native(rng: dict[str, Any]) -> dict[str, Any]:
+    out = dict(rng)
+    if "numpy" in out:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = [name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss]
+    return out
+
+
+def resume_checkpoint(dirpath: str, storage: str | Storage | None = None) -> str | None:
+    """Restore the newest verified committed Lightning checkpoint into ``dirpath``.
+
+    Returns:
+        The restored ``.ckpt`` path for ``trainer.fit(model, ckpt_path=...)``, or None on
+        a fresh run (nothing committed) or without a storage.
+    """
+    st = run_storage(storage)
+    if st is None:
+        log.warning("resume_checkpoint: no CKRUN_STORAGE (not under ckrun): starting fresh")
+        return None
+    fs = fileset.newest(st, prefix=PREFIX)
+    if fs is None:
+        return None
+    name, data = next((n, d) for n, d in fs.files.items() if n.startswith(PREFIX))
+    path = os.path.join(dirpath, name[len(PREFIX) :])
+    fileset.write_atomic(path, data)
+    log.info("restored committed step %d into %s", fs.manifest.step, path)
+    return path
