@@ -115,6 +115,42 @@ _allow_opt = click.option(
 )
 
 
+def _own_checkpoint_options(f: Any) -> Any:
+    """``--checkpoint-path``, ``--resume-args``, ``--child-signal`` (issue 15)."""
+    f = click.option(
+        "--child-signal",
+        default=None,
+        metavar="SIG",
+        help="Own-checkpoint mode: the signal the script handles for a notice [SIGTERM].",
+    )(f)
+    f = click.option(
+        "--resume-args",
+        default=None,
+        metavar="ARGS",
+        help="Own-checkpoint mode: arguments appended when a checkpoint was restored.",
+    )(f)
+    return click.option(
+        "--checkpoint-path",
+        "checkpoint_paths",
+        multiple=True,
+        metavar="FILE",
+        help="A checkpoint file the script writes itself (repeatable): ckrun commits each "
+        "new version and restores the newest before every restart.",
+    )(f)
+
+
+def _own_checkpoint_values(
+    checkpoint_paths: tuple[str, ...], resume_args: str | None, child_signal: str | None
+) -> dict[str, Any]:
+    import shlex
+
+    return _cli_values(
+        checkpoint_paths=checkpoint_paths,
+        resume_args=tuple(shlex.split(resume_args)) if resume_args else None,
+        child_signal=child_signal,
+    )
+
+
 #: Backend options of ``submit`` (the forms issues 4 and 6 write out): flag, profile key,
 #: type, help.  Each is the same as ``--set KEY=VALUE``; a key the selected backend does
 #: not have is refused by the config with the list of valid keys.
@@ -176,6 +212,7 @@ def _backend_options(f: Any) -> Any:
     help="Any profile key, e.g. --set image=IMG --set partition=gpu (repeatable).",
 )
 @_backend_options
+@_own_checkpoint_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def submit(
     profile: str,
@@ -190,6 +227,9 @@ def submit(
     chaos_preempt_every: str | None,
     settings: tuple[str, ...],
     args: tuple[str, ...],
+    checkpoint_paths: tuple[str, ...],
+    resume_args: str | None,
+    child_signal: str | None,
     **backend: Any,
 ) -> int:
     """Submit a training command: `ckrun submit train.py [ARGS]...` or `-- CMD [ARGS]...`.
@@ -210,6 +250,7 @@ def submit(
         )
     )
     cli.update(_cli_values(**backend))
+    cli.update(_own_checkpoint_values(checkpoint_paths, resume_args, child_signal))
     return int(
         launch.submit(profile, cli, _command(args), run_name, detach=detach, dry_run=dry_run)
     )
@@ -225,6 +266,7 @@ def submit(
     default=None,
     help="Backend for requeue [autodetect: SLURM_JOB_ID, KUBERNETES_SERVICE_HOST].",
 )
+@_own_checkpoint_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(
     run_name: str,
@@ -233,12 +275,16 @@ def run(
     profile: str | None,
     scheduler: str | None,
     args: tuple[str, ...],
+    checkpoint_paths: tuple[str, ...],
+    resume_args: str | None,
+    child_signal: str | None,
 ) -> int:
     """Supervise a run in this process (what Slurm, Kubernetes and boot scripts call)."""
     from ckrun.cli import commands as launch
 
     cmd = _command(args) if args else ()
     cli = _cli_values(storage=storage, allow_change=allow_change)
+    cli.update(_own_checkpoint_values(checkpoint_paths, resume_args, child_signal))
     return int(launch.run(run_name, cli, cmd, profile=profile, scheduler=scheduler))
 
 

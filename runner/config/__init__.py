@@ -69,6 +69,14 @@ class RunConfig:
         nnodes: nodes of the job (one supervisor per node).
         allow_change: compat fields allowed to differ on resume (``--allow-change``).
         notice_sources: cloud notice pollers to run: any of ``aws``, ``gcp``, ``azure``.
+        checkpoint_paths: own-checkpoint mode (issue 15): files the command writes as
+            its checkpoint (``--checkpoint-path``), relative to the working directory;
+            the supervisor commits each new version and restores the newest before
+            every start (:mod:`ckrun.supervisor.watched`).
+        resume_args: arguments appended to the command when a version was restored
+            (``--resume-args 'init_from=resume'``).
+        child_signal: the signal the child gets for a notice in own-checkpoint mode (the
+            one the script handles); empty: SIGTERM.
         options: the backend's frozen ``Options`` instance.
         cloud: keys of ``ckrun.cloud.CloudOptions`` set in the profile/env/CLI
             (``aws_poll_interval_s``, ...), handed to ``ckrun.cloud.build_sources``, and
@@ -97,6 +105,9 @@ class RunConfig:
     nnodes: int = 1
     allow_change: tuple[str, ...] = ()
     notice_sources: tuple[str, ...] = ()
+    checkpoint_paths: tuple[str, ...] = ()
+    resume_args: tuple[str, ...] = ()
+    child_signal: str = ""
     options: Any = None
     cloud: Mapping[str, Any] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -148,12 +159,18 @@ class RunConfig:
         """:attr:`notice_signal` as a ``signal.Signals``."""
         return parse_signal(self.notice_signal)
 
+    def child_signal_number(self) -> signal.Signals:
+        """:attr:`child_signal` as a ``signal.Signals`` (SIGTERM when empty)."""
+        return parse_signal(self.child_signal or "SIGTERM")
+
     def to_json(self) -> dict[str, Any]:
         """JSON body of ``run.json`` (options flattened under ``"options"``)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["command"] = list(self.command)
         d["allow_change"] = list(self.allow_change)
         d["notice_sources"] = list(self.notice_sources)
+        d["checkpoint_paths"] = list(self.checkpoint_paths)
+        d["resume_args"] = list(self.resume_args)
         d["options"] = dataclasses.asdict(self.options) if self.options is not None else {}
         d["sources"] = dict(self.sources)
         d["cloud"] = dict(self.cloud)
@@ -447,6 +464,13 @@ def _launched_world(cfg: RunConfig) -> RunConfig:
 
 def _validate(cfg: RunConfig) -> None:
     parse_signal(cfg.notice_signal)
+    if cfg.child_signal:
+        parse_signal(cfg.child_signal)
+    if (cfg.resume_args or cfg.child_signal) and not cfg.checkpoint_paths:
+        raise ConfigError(
+            "resume_args and child_signal belong to own-checkpoint mode: name the "
+            "script's checkpoint file with --checkpoint-path FILE"
+        )
     for k in ("max_requeues", "max_failures", "crash_loop_failures", "world_size"):
         if getattr(cfg, k) < (1 if k == "world_size" else 0):
             raise ConfigError(f"{k} must be >= {1 if k == 'world_size' else 0}")

@@ -55,6 +55,7 @@ from ckrun.supervisor import machine as sm
 from ckrun.supervisor import process
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
+from ckrun.supervisor.watched import WatchedFiles
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
 
@@ -100,6 +101,7 @@ class Supervisor:
         self._strays_kill_at: float | None = None
         self._last_notice: Notice | None = None
         self._delivered: list[int] | None = None
+        self._watched: WatchedFiles | None = None
         self._wake_r = -1
         self.state = sm.State(
             policy=sm.Policy(
@@ -123,6 +125,18 @@ class Supervisor:
 
             self._storage = open_run_storage(self.cfg)
         return self._storage
+
+    @property
+    def watched(self) -> WatchedFiles | None:
+        """Own-checkpoint mode's commit source (None without ``checkpoint_paths``)."""
+        if self._watched is None and self.cfg.checkpoint_paths:
+            self._watched = WatchedFiles(
+                tuple(self.cfg.checkpoint_paths),
+                self.storage,
+                self.cfg.run,
+                compat={"launch_hash": self.cfg.launch_hash()},
+            )
+        return self._watched
 
     def say(self, message: str) -> None:
         """Print one ``[ckrun]`` line."""
@@ -213,6 +227,14 @@ class Supervisor:
             if n is not None:  # a cloud/scheduler notice means this machine goes away
                 self._queue.append(self._notice_event(n, now, self_term=n.kind != DRILL))
         self._reap(now)
+        w, c = self.watched, self.child
+        if w is not None and c is not None and c.status is None:
+            step = w.poll(process.members(c))
+            if step is not None:
+                self.events.append("own_checkpoint", step=step, message="new version committed")
+                if w.drill_due():
+                    n = Notice.with_lead(DRILL, "check-resume", self.cfg.grace_s)
+                    self._queue.append(self._notice_event(n, now))
         self._queue.append(sm.Tick(time.monotonic()))
 
     def _feed(self, ev: sm.Event) -> None:
@@ -273,6 +295,8 @@ class Supervisor:
         self._strays_term_at = self._strays_kill_at = None
         from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
 
+        if self.watched is not None:
+            self._own_checkpoint_exit(c.status)
         step, save_s = newest(self.storage)
         self.events.append(
             "attempt_end",
@@ -283,6 +307,22 @@ class Supervisor:
         self._queue.append(
             sm.ChildExited(c.status, step, is_complete(self.storage), time.monotonic(), save_s)
         )
+
+    def _own_checkpoint_exit(self, status: int) -> None:
+        """Own-checkpoint mode: commit the last trustworthy version, say what was lost."""
+        w = self.watched
+        assert w is not None
+        w.after_exit(status, self.state.notice_at)
+        if status != 0 and self.state.notice_at is not None:
+            if w.last is None:
+                lost = "no version of the script's checkpoint exists: it restarts from scratch"
+            else:
+                ago = max(0.0, self.state.notice_at - w.last.committed_at)
+                lost = (
+                    f"its newest version {w.last.step} was committed {ago:.1f} s before the "
+                    "notice: the work since the script's own last save is lost"
+                )
+            self.say(f"own checkpoint {', '.join(w.paths)}: {lost}")
 
     def _strays(self, c: process.Child, now: float) -> None:
         """Direct child gone, session not empty: wait, TERM, KILL (see module docstring)."""
@@ -316,7 +356,7 @@ class Supervisor:
                 self.rundir.control_dir, Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
             )
         elif isinstance(a, sm.Deliver) and self.child is not None:
-            self._delivered = process.deliver(self.child, self.notice_sig)
+            self._delivered = self._deliver(self.child)
         elif isinstance(a, sm.SignalGroup) and self.child is not None:
             process.signal_session(self.child, a.sig)
         elif isinstance(a, sm.Escalate) and self.child is not None:
@@ -328,6 +368,19 @@ class Supervisor:
             return self._requeue()
         return None
 
+    def _deliver(self, child: process.Child) -> list[int]:
+        """The notice signal to the processes that catch it; in own-checkpoint mode the
+        script's own signal (``child_signal``, default SIGTERM), to the whole session when
+        no process catches it (the script then stops at once: its last own save stands)."""
+        if self.watched is None:
+            return process.deliver(child, self.notice_sig)
+        sig = self.cfg.child_signal_number()
+        sent = process.deliver(child, sig)
+        if not sent:
+            sent = process.members(child)
+            process.signal_session(child, sig)
+        return sent
+
     def _log(self, a: sm.Log) -> None:
         msg, fields = a.message, dict(a.fields)
         if "seconds_left" in fields:
@@ -336,7 +389,8 @@ class Supervisor:
             msg += f", deadline {dl:%H:%M:%S}Z"
         if a.kind == "notice" and self._delivered is not None:
             fields["signalled_pids"], self._delivered = self._delivered, None
-            msg += f", {self.notice_sig.name} to {len(fields['signalled_pids'])} process(es)"
+            sig = self.notice_sig if self.watched is None else self.cfg.child_signal_number()
+            msg += f", {sig.name} to {len(fields['signalled_pids'])} process(es)"
         self.say(msg)
         step = fields.pop("step", None)
         seconds = fields.pop("seconds", None)
@@ -377,9 +431,14 @@ class Supervisor:
         self.events.attempt = a.attempt
         if self.lock is not None:
             self.lock.update(attempt=a.attempt)
+        command = self._command()
+        w = self.watched
+        if w is not None and w.restore(a.attempt) is not None:
+            command = (*command, *self.cfg.resume_args)
+            self.say(f"restored {', '.join(w.paths)} (version {w.last.step if w.last else '?'})")
         try:
             self.child = process.spawn(
-                self._command(),
+                command,
                 self._child_env(a.attempt, a.resume_step),
                 track_tree=self.cfg.nproc_per_node * self.cfg.nnodes > 1,
             )
