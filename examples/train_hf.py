@@ -16,9 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 
 class Counting(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -36,12 +43,23 @@ class Counting(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+class Pace(TrainerCallback):
+    """Sleep after every step (a stand-in for a bigger model, for preemption demos)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args: object, state: object, control: object, **kw: object) -> None:
+        time.sleep(self.seconds)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--out", default=None)
     p.add_argument("--save-steps", type=int, default=20)
     p.add_argument("--no-ckrun", action="store_true")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="pace: sleep per step")
     p.add_argument(
         "--ignore-data-skip",
         action="store_true",
@@ -71,13 +89,16 @@ def main() -> None:
     )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)  # dropout 0.1: every step draws from the torch RNG
+    pace = [Pace(a.step_seconds)] if a.step_seconds else []
     if a.no_ckrun:
-        trainer = Trainer(model=model, args=args, train_dataset=Counting())
+        trainer = Trainer(model=model, args=args, train_dataset=Counting(), callbacks=pace)
         trainer.train()
         return
     from ckrun.integrations.hf import CkrunCallback, resume_checkpoint
 
-    trainer = Trainer(model=model, args=args, train_dataset=Counting(), callbacks=[CkrunCallback()])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Counting(), callbacks=[CkrunCallback(), *pace]
+    )
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -24,8 +25,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, d_in: int = 8, hidden: int = 32, lr: float = 0.01) -> None:
+    def __init__(
+        self, d_in: int = 8, hidden: int = 32, lr: float = 0.01, step_seconds: float = 0.0
+    ) -> None:
         super().__init__()
+        self.step_seconds = step_seconds  # pace, a stand-in for a bigger model
         self.net = nn.Sequential(
             nn.Linear(d_in, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 1)
         )
@@ -35,6 +39,8 @@ class Regressor(pl.LightningModule):
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
     ) -> torch.Tensor:
         x, y = batch
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> object:
@@ -55,6 +61,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--root", default=None)
     p.add_argument("--no-ckrun", action="store_true")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="pace: sleep per step")
     p.add_argument(
         "--no-data-position",
         action="store_true",
@@ -64,7 +71,7 @@ def main() -> None:
     root = a.root or os.path.join(os.environ.get("CKRUN_STORAGE", "."), "pl")
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    model = Regressor()
+    model = Regressor(step_seconds=a.step_seconds)
     loader = DataLoader(dataset(), batch_size=8, shuffle=True)
     kw: dict[str, object] = dict(
         max_steps=a.steps,

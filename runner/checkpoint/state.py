@@ -112,8 +112,7 @@ def restore_into(
             ) from e
 
 
-def rng_state() -> dict[str, Any]:
-    """RNG states: python, torch CPU, numpy (if imported), CUDA (if initialised)."""
+def _raw_rng() -> dict[str, Any]:
     out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     np = sys.modules.get("numpy")
     if np is not None:
@@ -123,8 +122,48 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
+def _fingerprint(rng: Mapping[str, Any]) -> dict[str, str]:
+    """A short digest per generator (to tell which ones the run draws from)."""
+    import hashlib
+
+    out = {}
+    for k, v in rng.items():
+        if k == "used":
+            continue
+        h = hashlib.sha1(usedforsecurity=False)
+        for part in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(part, torch.Tensor):
+                h.update(part.numpy().tobytes())
+            elif hasattr(part, "tobytes"):
+                h.update(part.tobytes())
+            else:
+                h.update(repr(part).encode())
+        out[k] = h.hexdigest()[:16]
+    return out
+
+
+# generators drawn from (or seeded) since this module was imported / the last restore:
+# ``ckrun check-resume`` lists only these when RNG states differ (issue 15)
+_BASELINE: dict[str, str] = _fingerprint(_raw_rng())
+_USED: set[str] = set()
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states: python, torch CPU, numpy (if imported), CUDA (if initialised), and
+    ``used``: the generators whose state changed since this process started (or restored
+    a checkpoint), plus those a restored checkpoint listed."""
+    out = _raw_rng()
+    now = _fingerprint(out)
+    for k, v in now.items():  # a generator first seen now (numpy imported later): baseline
+        _BASELINE.setdefault(k, v)
+    _USED.update(k for k, v in now.items() if _BASELINE[k] != v)
+    out["used"] = sorted(_USED)
+    return out
+
+
 def set_rng_state(rng: Mapping[str, Any]) -> None:
     """Restore the states captured by :func:`rng_state`."""
+    global _BASELINE
     py = rng["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     torch.set_rng_state(rng["torch"])
@@ -143,3 +182,5 @@ def set_rng_state(rng: Mapping[str, Any]) -> None:
                 len(cuda),
                 torch.cuda.device_count() if torch.cuda.is_available() else 0,
             )
+    _USED.update(str(u) for u in rng.get("used") or ())
+    _BASELINE = _fingerprint(_raw_rng())

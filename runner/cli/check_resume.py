@@ -32,12 +32,30 @@ from ckrun.errors import UsageError
     show_default=True,
     help="Limit for each run, in seconds.",
 )
+@click.option(
+    "--edges",
+    is_flag=True,
+    help="Also drill at the first step, right after the first save, and at the last step.",
+)
+@click.option(
+    "--checkpoint-path",
+    "checkpoint_paths",
+    multiple=True,
+    metavar="FILE",
+    help="Own-checkpoint mode (a script that saves FILE itself): drill after its saves.",
+)
+@click.option("--resume-args", default=None, metavar="ARGS", help="Own-checkpoint mode.")
+@click.option("--child-signal", default=None, metavar="SIG", help="Own-checkpoint mode.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def check_resume(
     interruptions: int,
     seed: int | None,
     workdir: str | None,
     timeout_s: float,
+    edges: bool,
+    checkpoint_paths: tuple[str, ...],
+    resume_args: str | None,
+    child_signal: str | None,
     command: tuple[str, ...],
 ) -> int:
     """Run CMD uninterrupted and again with K preemptions at random steps, then compare
@@ -55,8 +73,19 @@ def check_resume(
         cmd.insert(0, sys.executable)
     if interruptions < 1:
         raise UsageError("--interruptions must be at least 1")
+    own: list[str] = []
+    for p in checkpoint_paths:
+        own += ["--checkpoint-path", p]
+    if resume_args:
+        own += ["--resume-args", resume_args]
+    if child_signal:
+        own += ["--child-signal", child_signal]
+    if (resume_args or child_signal) and not checkpoint_paths:
+        raise UsageError("--resume-args and --child-signal need --checkpoint-path FILE")
     res = run_check(
         cmd,
+        edges=edges,
+        own_checkpoint=own,
         interruptions=interruptions,
         seed=seed,
         workdir=workdir,
@@ -76,7 +105,8 @@ def check_resume(
     click.echo(f"FAIL: {d.path} differs: {d.detail}")
     click.echo(f"  likely cause: {d.hint}")
     click.echo(
-        f"  replay: ckrun check-resume -k {interruptions} --seed {res.seed} -- {' '.join(command)}"
+        f"  replay: ckrun check-resume -k {interruptions} --seed {res.seed}"
+        f"{' --edges' if edges else ''}{''.join(' ' + o for o in own)} -- {' '.join(command)}"
     )
     click.echo(f"  both runs are kept in {res.workdir}")
     return 1

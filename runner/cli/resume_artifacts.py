@@ -94,6 +94,9 @@ def file_set_tree(step: int, files: Mapping[str, Any]) -> dict[str, Any]:
         base = os.path.basename(name)
         if base in _SKIP:
             continue
+        if base == "ckrun_steps.json":
+            out[STEPS] = decode_file(name, data)
+            continue
         tree = decode_file(name, data)
         where = _rng_name(base) or _HF_FILES.get(base)
         if where is None and isinstance(tree, dict) and any(k in _KEYS for k in tree):

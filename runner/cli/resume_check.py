@@ -247,10 +247,6 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     return m.step, tree
 
 
-def _rng_names(paths: Sequence[str]) -> list[str]:
-    return [".".join(p.split(".")[:2]) for p in paths]
-
-
 def drill_counts(steps: Sequence[int]) -> list[int]:
     """Per-attempt check counts for drills at the sorted global ``steps``.
 
@@ -271,6 +267,7 @@ def _supervise(
     env: Mapping[str, str],
     log_path: str,
     timeout_s: float,
+    own: Sequence[str] = (),
 ) -> int:
     argv = [
         sys.executable,
@@ -281,10 +278,11 @@ def _supervise(
         run,
         "--storage",
         storage,
+        *own,
         "--",
         *command,
     ]
-    env = {"CKRUN_MAX_REQUEUES": "1000", **env}
+    env = {"CKRUN_MAX_REQUEUES": "1000", "CKRUN_STEP_DIGEST": "1", **env}
     with open(log_path, "w") as log:
         p = subprocess.run(
             argv,
@@ -312,6 +310,8 @@ def check_resume(
     workdir: str | None = None,
     timeout_s: float = 3600.0,
     echo: Any = print,
+    edges: bool = False,
+    own_checkpoint: Sequence[str] = (),
 ) -> CheckResult:
     """Run ``command`` uninterrupted and with ``interruptions`` preemptions; compare.
 
@@ -322,32 +322,72 @@ def check_resume(
         workdir: where both runs' storage goes (default: a new temp dir, kept).
         timeout_s: limit for each of the two runs, in seconds.
         echo: callable taking one line, for progress output.
+        edges: also drill at the first step, right after the first save, and at the
+            last step (:mod:`ckrun.cli.resume_drills`).
+        own_checkpoint: ``ckrun run`` options of own-checkpoint mode
+            (``--checkpoint-path FILE``, ``--resume-args ARGS``): drills then land right
+            after committed versions of the script's file.
 
     Raises:
         CkrunError: a run failed (its exit status and log path are named).
     """
+    from ckrun.cli import resume_drills as drills
+
+    own = list(own_checkpoint)
+    watched = [own[i + 1] for i, o in enumerate(own[:-1]) if o == "--checkpoint-path"]
+    for path in watched:
+        if os.path.exists(path):
+            raise UsageError(
+                f"{path} exists: check-resume runs the command twice from scratch and "
+                "removes the own-checkpoint files the first run wrote; move it away first"
+            )
     workdir = workdir or tempfile.mkdtemp(prefix="ckrun-check-resume-")
     os.makedirs(workdir, exist_ok=True)
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     echo(f"[ckrun] check-resume: workdir {workdir}, seed {seed}")
     echo(f"[ckrun] check-resume: 1/2 uninterrupted run ({' '.join(command)})")
     rc = _supervise(
-        UNINTERRUPTED, workdir, command, {}, os.path.join(workdir, "uninterrupted.log"), timeout_s
+        UNINTERRUPTED,
+        workdir,
+        command,
+        {},
+        os.path.join(workdir, "uninterrupted.log"),
+        timeout_s,
+        own,
     )
     if rc != 0:
         raise CkrunError(
             f"the uninterrupted run exited {rc}; see {os.path.join(workdir, 'uninterrupted.log')}"
         )
-    final_step, ref = load_final(os.path.join(workdir, UNINTERRUPTED))
-    k = max(0, min(interruptions, final_step))
-    steps = sorted(random.Random(seed).sample(range(final_step), k)) if k else []
+    for path in watched:  # the first run's own files: the second run starts from scratch
+        if os.path.exists(path):
+            os.unlink(path)
+    root = os.path.join(workdir, UNINTERRUPTED)
+    final_step, ref = load_final(root)
+    file_set = _is_file_set_run(root)
+    if watched:
+        marks = drills.commit_drills(_own_versions(root), interruptions, seed)
+        steps, k = marks, len(marks)
+        env = {"CKRUN_DRILL_AFTER_COMMITS": ",".join(map(str, drills.per_attempt(marks)))}
+        where = "after committed versions"
+    else:
+        steps = drills.drill_steps(
+            final_step,
+            interruptions,
+            seed,
+            edges=edges,
+            file_set=file_set,
+            first_save=_first_save(root),
+        )
+        k = len(steps)
+        env = {"CKRUN_DRILL_AT_CHECKS": ",".join(map(str, drill_counts(steps)))}
+        where = "at steps"
     echo(
-        f"[ckrun] check-resume: 2/2 run with {k} preemptions at steps "
+        f"[ckrun] check-resume: 2/2 run with {k} preemptions {where} "
         f"{', '.join(map(str, steps)) or '-'}"
     )
-    env = {"CKRUN_DRILL_AT_CHECKS": ",".join(map(str, drill_counts(steps)))}
     rc = _supervise(
-        INTERRUPTED, workdir, command, env, os.path.join(workdir, "interrupted.log"), timeout_s
+        INTERRUPTED, workdir, command, env, os.path.join(workdir, "interrupted.log"), timeout_s, own
     )
     if rc != 0:
         raise CkrunError(
@@ -355,13 +395,48 @@ def check_resume(
         )
     _, got = load_final(os.path.join(workdir, INTERRUPTED))
     n_pre = _preemptions(os.path.join(workdir, INTERRUPTED))
+    ref_steps, got_steps = drills.pop_steps(ref), drills.pop_steps(got)
     compared, div, rng = compare_trees(ref, got)
-    if div is not None and rng:
-        div.hint += f" (RNG states that also differ: {', '.join(sorted(set(_rng_names(rng))))})"
+    if div is not None:
+        div.hint += drills.rng_note(ref, got, rng)
+        located = drills.step_note(ref_steps, got_steps, steps, file_set)
+        if located:
+            div.hint += "; " + located
     res = CheckResult(div is None, steps, n_pre, compared, div, workdir, seed)
-    if n_pre < k:
+    last = final_step - 1 if file_set else final_step
+    expected = k - (1 if file_set and last in steps else 0)  # a notice at the last step finalizes
+    if n_pre < expected:
         res.notes.append(
             f"only {n_pre} of {k} drills led to a preemption: does the command "
             "call ckrun.preemption_requested() every step?"
         )
+    if file_set and last in steps:
+        res.notes.append(
+            f"the drill at the last step ({last}) completed the run instead of preempting it "
+            "(the final save follows at once: nothing is left to resume)"
+        )
     return res
+
+
+def _is_file_set_run(run_root: str) -> bool:
+    from ckrun.checkpoint import discovery, fileset
+    from ckrun.storage import open_storage
+
+    ms = discovery.committed(open_storage(run_root))
+    return any(fileset.is_file_set(m) for m in ms)
+
+
+def _first_save(run_root: str) -> int | None:
+    """The step of the first (oldest listed) recovery checkpoint of a run, or None."""
+    from ckrun.checkpoint import discovery
+    from ckrun.storage import open_storage
+
+    steps = [m.step for m in discovery.committed(open_storage(run_root)) if m.kind != "final"]
+    return min(steps) if steps else None
+
+
+def _own_versions(run_root: str) -> int:
+    from ckrun.runlog import read_events
+
+    evs = read_events(os.path.join(run_root, "events.jsonl"))
+    return sum(1 for ev in evs if ev.get("kind") == "own_checkpoint")

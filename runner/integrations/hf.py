@@ -30,19 +30,27 @@ The HF layout is kept, so HF tools read the directory as usual.  Sources: transf
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
 
 from ckrun.checkpoint import fileset
 from ckrun.control import install_signal_handlers, preemption_requested
-from ckrun.integrations.common import commit, dir_files, exit_preempted, run_storage
+from ckrun.integrations.common import (
+    commit,
+    dir_files,
+    exit_preempted,
+    run_storage,
+    step_digest,
+)
 from ckrun.storage.base import Storage
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
+STEPS_FILE = "ckrun_steps.json"  # per-step digests, CKRUN_STEP_DIGEST=1 (check-resume)
 
 
 class CkrunCallback(TrainerCallback):
@@ -59,12 +67,18 @@ class CkrunCallback(TrainerCallback):
         self.keep_last = keep_last
         self.preempting = False
         self.resumed_from: int | None = None
+        self.digests = os.environ.get("CKRUN_STEP_DIGEST") == "1"
+        self.steps: dict[str, str] = {}
         install_signal_handlers()
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
         self.resumed_from = state.global_step or None
+        prior = os.path.join(str(args.output_dir), f"{PREFIX}{state.global_step}", STEPS_FILE)
+        if self.digests and self.resumed_from and os.path.exists(prior):
+            with open(prior) as f:
+                self.steps = dict(json.load(f))
         if args.ignore_data_skip and self.resumed_from:
             log.warning(
                 "ignore_data_skip=True: the Trainer does not skip the batches already "
@@ -81,6 +95,8 @@ class CkrunCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
+        if self.digests and "model" in kw:
+            self.steps[str(state.global_step)] = step_digest(kw["model"].parameters())
         if preemption_requested(sync=True):
             self.preempting = True
             control.should_save = True
@@ -95,6 +111,7 @@ class CkrunCallback(TrainerCallback):
         step = state.global_step
         if self.storage is not None and state.is_world_process_zero:
             top = f"{PREFIX}{step}"
+            self._write_steps(str(args.output_dir), top)
             commit(
                 self.storage,
                 step,
@@ -115,8 +132,15 @@ class CkrunCallback(TrainerCallback):
         if not os.path.isdir(os.path.join(str(args.output_dir), top)):
             log.warning("no %s after the last step: no final artifact committed", top)
             return control
+        self._write_steps(str(args.output_dir), top)
         commit(self.storage, state.global_step, dir_files(str(args.output_dir), top), kind="final")
         return control
+
+    def _write_steps(self, output_dir: str, top: str) -> None:
+        if self.digests and os.path.isdir(os.path.join(output_dir, top)):
+            from ckrun.storage.fsutil import write_json_atomic
+
+            write_json_atomic(os.path.join(output_dir, top, STEPS_FILE), self.steps)
 
 
 def resume_checkpoint(output_dir: str, storage: str | Storage | None = None) -> str | None:
