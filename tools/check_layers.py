@@ -36,9 +36,9 @@ PACKAGE = "ckrun"
 
 # (layer name, first-level names under ckrun that belong to it), lowest first.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("errors/notices", ("errors", "notices")),
+    ("errors/notices", ("errors", "notices", "version", "options")),
+    ("storage", ("storage",)),  # fsutil lives here: control writes its files with it
     ("control/runlog", ("control", "runlog")),
-    ("storage", ("storage",)),
     ("checkpoint", ("checkpoint",)),
     ("cloud/scheduler", ("cloud", "scheduler")),
     ("config", ("config",)),

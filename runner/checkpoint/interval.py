@@ -388,18 +388,6 @@ def events_path_for(storage: Any) -> str | None:
     return path if isinstance(path, str) and os.path.exists(path) else None
 
 
-def auto_for(ckpt: Any) -> AutoInterval:
-    """The :class:`AutoInterval` of a Checkpointer: in-process costs, the run's history."""
-
-    def cost() -> tuple[float | None, float]:
-        a, w = ckpt._async, ckpt._written
-        if a is not None and a.last_stall_s is not None:
-            return float(a.last_stall_s), float(a.last_durable_s or 0.0)
-        return (float(w.save_duration_s) if w is not None else None), 0.0
-
-    return AutoInterval(cost, events_path=events_path_for(ckpt.storage), mtbi_s=ckpt._mtbi_s)
-
-
 def should_save(
     every: int | str | None, auto: AutoInterval | None, step: int, *, sync: bool = False
 ) -> bool:
