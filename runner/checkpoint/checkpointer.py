@@ -20,28 +20,26 @@ import os
 import platform
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 from ckrun.checkpoint import collective as distributed
-from ckrun.checkpoint import layout, pipeline
+from ckrun.checkpoint import layout, pipeline, resume
 from ckrun.checkpoint import shard as fmt
-from ckrun.checkpoint.compat import compare, git_state, normalize, parse_allow_change
-from ckrun.checkpoint.discovery import scan
-from ckrun.checkpoint.env import env_int, install_excepthook, open_storage_from_env
+from ckrun.checkpoint.compat import git_state, normalize
+from ckrun.checkpoint.env import (
+    checkpointer_arguments,
+    env_int,
+    install_excepthook,
+    open_storage_from_env,
+)
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle
-from ckrun.checkpoint.shard_reader import read_shard
-from ckrun.checkpoint.state import restore
-from ckrun.checkpoint.verify import verify_manifest
+from ckrun.checkpoint.state import state_compat
 from ckrun.errors import (
-    CheckpointError,
     ConfigError,
-    CorruptCheckpoint,
-    IncompatibleCheckpoint,
-    ObjectNotFound,
 )
 from ckrun.storage.base import ObjectWriter, Storage
 from ckrun.version import __version__
@@ -52,16 +50,19 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
+T = TypeVar("T")
+
 log = logging.getLogger(__name__)
 
 
-def _class_names(state: Mapping[str, Any] | None, base: type) -> str | None:
-    if not state:
-        return None
-    names = sorted(f"{k}={type(v).__name__}" for k, v in state.items() if isinstance(v, base))
-    if not names:
-        return None
-    return names[0].split("=", 1)[1] if len(names) == 1 else ",".join(names)
+class _Context(Generic[T]):
+    """A read-only attribute of the Checkpointer that is its commit context's field."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Checkpointer, owner: type | None = None) -> T:
+        return cast(T, getattr(obj._ctx, self.name))
 
 
 class Checkpointer:
@@ -90,6 +91,12 @@ class Checkpointer:
     Rank and world size come from ``torch.distributed`` (or ``RANK``/``WORLD_SIZE``);
     with more than one rank ``load``/``save``/``finalize`` are collectives (see
     :mod:`ckrun.checkpoint.collective`).
+
+    Attributes:
+        storage, run, attempt, rank, world_size, group, keep_last, milestone_every, rng:
+            the settings above as resolved (read-only; the commit context's).
+        resumed_from: the step the last :meth:`load` restored (None: nothing resumed).
+        skipped: why each checkpoint :meth:`load` passed over was unusable.
 
     Raises:
         ConfigError: invalid ``keep_last``/``milestone_every`` or storage URL.
@@ -147,57 +154,17 @@ class Checkpointer:
         self._async: AsyncSaver | None = None  # the background persist of async_save
         self._auto: AutoInterval | None = None
 
-    # -- the commit context (pipeline.CommitContext), read-only ------------------------
-
-    @property
-    def storage(self) -> Storage:
-        """The run root."""
-        return self._ctx.storage
-
-    @property
-    def run(self) -> str:
-        """The run id recorded in manifests."""
-        return self._ctx.run
-
-    @property
-    def attempt(self) -> int:
-        """The attempt number recorded in shard keys and manifests."""
-        return self._ctx.attempt
-
-    @property
-    def rank(self) -> int:
-        """This process's rank."""
-        return self._ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks saving together."""
-        return self._ctx.world_size
-
-    @property
-    def group(self) -> distributed.Group:
-        """The checkpoint's own collectives (gloo when torch.distributed is up)."""
-        return self._ctx.group
-
-    @property
-    def keep_last(self) -> int:
-        """Newest checkpoints kept by retention."""
-        return self._ctx.keep_last
-
-    @property
-    def milestone_every(self) -> int | None:
-        """Steps divisible by this are kept forever."""
-        return self._ctx.milestone_every
-
-    @property
-    def rng(self) -> bool:
-        """Whether RNG states are captured and restored."""
-        return self._ctx.rng
-
-    @property
-    def resumed_from(self) -> int | None:
-        """The step the last :meth:`load` restored (None: nothing resumed)."""
-        return self._ctx.resumed_from
+    # -- read-only attributes: the commit context's (pipeline.CommitContext) ------------
+    storage = _Context[Storage]()
+    run = _Context[str]()
+    attempt = _Context[int]()
+    rank = _Context[int]()
+    world_size = _Context[int]()
+    group = _Context[distributed.Group]()
+    keep_last = _Context[int]()
+    milestone_every = _Context[int | None]()
+    rng = _Context[bool]()
+    resumed_from = _Context[int | None]()
 
     @property
     def commit_context(self) -> CommitContext:
@@ -217,23 +184,8 @@ class Checkpointer:
         """
         from ckrun.control import install_signal_handlers
 
-        url = os.environ.get("CKRUN_STORAGE") or kw.pop("storage", None)
-        kw.pop("storage", None)
-        if not url:
-            raise ConfigError(
-                "CKRUN_STORAGE is not set: run the script under `ckrun run`, "
-                "or pass storage='path/or/s3-url' to Checkpointer.from_env"
-            )
-        block = dict(compat or {})
-        if os.environ.get("CKRUN_CONFIG_HASH"):
-            block.setdefault("launch_hash", os.environ["CKRUN_CONFIG_HASH"])
-        allow = tuple(kw.pop("allow_change", ())) + parse_allow_change(
-            os.environ.get("CKRUN_ALLOW_CHANGE")
-        )
-        if os.environ.get("CKRUN_RESUME_STEP"):
-            kw.setdefault("resume_step", env_int("CKRUN_RESUME_STEP", -1))
-        kw.setdefault("run", os.environ.get("CKRUN_RUN") or None)
-        ckpt = cls(url, block, allow_change=allow, **kw)
+        url, block, kw = checkpointer_arguments(compat, kw)
+        ckpt = cls(url, block, **kw)
         install_signal_handlers()
         install_excepthook()
         return ckpt
@@ -243,11 +195,7 @@ class Checkpointer:
     def compat_block(self, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The compat block of this run: automatic fields overridden by the user's."""
         if state is not None:
-            auto = {
-                "optimizer": _class_names(state, torch.optim.Optimizer),
-                "scheduler": _class_names(state, torch.optim.lr_scheduler.LRScheduler),
-            }
-            self._state_compat = {k: v for k, v in auto.items() if v is not None}
+            self._state_compat = state_compat(state)
         block: dict[str, Any] = {
             "world_size": self.world_size,
             "torch_version": torch.__version__,
@@ -260,24 +208,7 @@ class Checkpointer:
         block.update(self._user_compat)
         return block
 
-    def _gate(self, m: Manifest, current: Mapping[str, Any]) -> list[str]:
-        """Raise IncompatibleCheckpoint on refusing differences; returns the drift."""
-        allow = self.allow_change + distributed.allowed_changes(m, self.world_size)
-        cmp = compare(current, m.compat, allow_change=allow, policy=self.policy)
-        if cmp.refuse:
-            raise IncompatibleCheckpoint(
-                f"checkpoint step {m.step} in {self.storage.url} belongs to a different "
-                "experiment:\n  " + "\n  ".join(cmp.refuse) + "\nrestore the original "
-                "settings, allow the change (allow_change=(FIELD,) or --allow-change FIELD) "
-                "or start a new run directory",
-                diff=cmp.refuse,
-                step=m.step,
-            )
-        for w in cmp.warn:
-            log.warning("checkpoint step %d differs (recorded): %s", m.step, w)
-        return cmp.drift
-
-    # -- load -----------------------------------------------------------------------
+    # -- load: ckrun.checkpoint.resume ----------------------------------------------
 
     def load(self, state: MutableMapping[str, Any]) -> Manifest | None:
         """Restore the newest good, compatible checkpoint into ``state`` in place.
@@ -292,76 +223,28 @@ class Checkpointer:
             CheckpointError: the checkpoint does not fit the state (wrong model).
         """
         pipeline.acquire(self._ctx)
-        current = self.compat_block(state)
-        for m in scan(self.storage).manifests:
-            drift = self._gate(m, current)
-            tree, why = None, ""
-            try:
-                tree = self._read(m)
-            except (CorruptCheckpoint, ObjectNotFound) as e:
-                why = str(e)
-            ok, whys = self.group.all_ok(tree is not None, why)  # all ranks fall back together
-            if not ok or tree is None:
-                msg = f"checkpoint step {m.step} is unusable: {'; '.join(whys)}"
-                log.error("%s; falling back to an older checkpoint", msg)
-                self.skipped.append(msg)
-                continue
-            if m.world_size != self.world_size:
-                distributed.restore_resharded(
-                    state, tree, m, rank=self.rank, world_size=self.world_size, seed=self.seed
-                )
-            else:
-                restore(state, tree, where=f"checkpoint step {m.step}")
-            self._ctx.resumed_from, self._ctx.drift = m.step, drift
-            self._ctx.verified.add(m.key)
-            if self.resume_step is not None and self.resume_step != m.step:
-                log.warning("resumed step %d, the supervisor expected %d", m.step, self.resume_step)
-            return m
-        return None
-
-    def _read(self, m: Manifest) -> Any:
-        if m.world_size != self.world_size and not distributed.reshards(m):
-            raise CheckpointError(
-                f"checkpoint step {m.step} has {m.world_size} shards in a "
-                "format that does not reshard; resume it on "
-                f"{m.world_size} ranks"
-            )
-        src = distributed.source_rank(m, self.rank, self.world_size)
-        s = next(s for s in m.shards if s.rank == src)
-        info = self.storage.head(s.key)
-        if info is None or info.size_bytes != s.size_bytes:
-            got = "missing" if info is None else f"{info.size_bytes} bytes"
-            raise CorruptCheckpoint(
-                f"{s.key}: {got}, manifest says {s.size_bytes} bytes (truncated)",
-                key=s.key,
-                step=m.step,
-            )
-        with self.storage.open_read(s.key) as f:
-            _advise_sequential(f)
-            return read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+        return resume.load(
+            self._ctx,
+            state,
+            self.compat_block(state),
+            allow_change=self.allow_change,
+            policy=self.policy,
+            seed=self.seed,
+            resume_step=self.resume_step,
+            skipped=self.skipped,
+        )
 
     def latest(self) -> Manifest | None:
         """The newest committed, verified (re-hashed unless this process wrote or loaded
         it), compatible manifest; None when there is none or the newest good one is
         incompatible."""
-        current = self.compat_block(None)
-        for m in scan(self.storage).manifests:
-            if m.key not in self._ctx.verified:
-                problems = verify_manifest(self.storage, m)
-                if problems:
-                    log.warning("latest(): skipping step %d: %s", m.step, "; ".join(problems))
-                    continue
-                self._ctx.verified.add(m.key)
-            allow = self.allow_change + distributed.allowed_changes(m, self.world_size)
-            cmp = compare(
-                current,
-                m.compat,
-                allow_change=allow,
-                policy=self.policy,
-                only_current=not self._state_compat,
-            )  # no state seen: partial block
-            return None if cmp.refuse else m
-        return None
+        return resume.latest(
+            self._ctx,
+            self.compat_block(None),
+            allow_change=self.allow_change,
+            policy=self.policy,
+            only_current=not self._state_compat,  # no state seen: a partial block
+        )
 
     # -- save -----------------------------------------------------------------------
 
@@ -515,20 +398,9 @@ class Checkpointer:
         return self._auto.current()
 
     def _auto_interval(self) -> AutoInterval:
-        """The :class:`AutoInterval` of this Checkpointer: in-process save costs (the
-        last async stall and durable time, else the last synchronous save), the run's
-        history of interruptions."""
         from ckrun.checkpoint import interval
 
-        def cost() -> tuple[float | None, float]:
-            a, w = self._async, self._ctx.written
-            if a is not None and a.last_stall_s is not None:
-                return float(a.last_stall_s), float(a.last_durable_s or 0.0)
-            return (float(w.save_duration_s) if w is not None else None), 0.0
-
-        return interval.AutoInterval(
-            cost, events_path=interval.events_path_for(self.storage), mtbi_s=self._mtbi_s
-        )
+        return interval.auto_for(self._ctx, lambda: self._async, mtbi_s=self._mtbi_s)
 
     def close(self) -> None:
         """Drain an in-flight async save (raising its error), release the writer lock."""
@@ -548,10 +420,3 @@ class Checkpointer:
 
 def _basename(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1] or "run"
-
-
-def _advise_sequential(f: Any) -> None:
-    try:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    except (AttributeError, OSError, ValueError):
-        pass

@@ -15,6 +15,7 @@ import sys
 import traceback
 from collections.abc import Mapping
 from types import TracebackType
+from typing import Any
 
 from ckrun.errors import CkrunError, ConfigError
 from ckrun.storage import open_storage
@@ -63,6 +64,41 @@ def open_storage_from_env(
         if tiered is not None:
             return tiered
     return open_storage(url)
+
+
+def checkpointer_arguments(
+    compat: Mapping[str, Any] | None, kw: dict[str, Any]
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """``(storage URL, compat block, keyword arguments)`` of
+    :meth:`ckrun.Checkpointer.from_env`: ``CKRUN_STORAGE`` (else ``storage=``), the compat
+    block with ``launch_hash`` from ``CKRUN_CONFIG_HASH``, ``allow_change`` extended by
+    ``CKRUN_ALLOW_CHANGE``, ``resume_step`` from ``CKRUN_RESUME_STEP`` and ``run`` from
+    ``CKRUN_RUN`` unless given.
+
+    Raises:
+        ConfigError: neither ``CKRUN_STORAGE`` nor ``storage=`` names the storage, or a
+            ``CKRUN_*`` integer is malformed.
+    """
+    from ckrun.checkpoint.compat import parse_allow_change
+
+    kw = dict(kw)
+    url = os.environ.get("CKRUN_STORAGE") or kw.pop("storage", None)
+    kw.pop("storage", None)
+    if not url:
+        raise ConfigError(
+            "CKRUN_STORAGE is not set: run the script under `ckrun run`, "
+            "or pass storage='path/or/s3-url' to Checkpointer.from_env"
+        )
+    block = dict(compat or {})
+    if os.environ.get("CKRUN_CONFIG_HASH"):
+        block.setdefault("launch_hash", os.environ["CKRUN_CONFIG_HASH"])
+    kw["allow_change"] = tuple(kw.pop("allow_change", ())) + parse_allow_change(
+        os.environ.get("CKRUN_ALLOW_CHANGE")
+    )
+    if os.environ.get("CKRUN_RESUME_STEP"):
+        kw.setdefault("resume_step", env_int("CKRUN_RESUME_STEP", -1))
+    kw.setdefault("run", os.environ.get("CKRUN_RUN") or None)
+    return str(url), block, kw
 
 
 def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
