@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ckrun.errors import ConfigError
+from ckrun.options import coerce_fields
 
 __all__ = ["MiB", "S3Options"]
 
@@ -43,6 +44,14 @@ class S3Options:
     s3_bandwidth_bytes_per_s: int = 0
     s3_timeout_s: float = 60.0
 
+    def __post_init__(self) -> None:
+        """Coerce every value to its field's type (:func:`ckrun.options.coerce`).
+
+        Raises:
+            ConfigError: a value that does not convert, naming its key.
+        """
+        coerce_fields(self)
+
     @property
     def multipart_threshold_bytes(self) -> int:
         return self.s3_multipart_threshold_bytes
@@ -62,12 +71,7 @@ class S3Options:
         Raises:
             ConfigError: an invalid retry mode, addressing style, part size or count.
         """
-        kw: dict[str, Any] = {}
-        for f in fields(cls):
-            v = config.get(f.name)
-            if v is None or v == "":
-                continue
-            kw[f.name] = v if f.name in ("endpoint_url", "s3_region") else _coerce(f, v)
+        kw = {f.name: config[f.name] for f in fields(cls) if config.get(f.name) not in (None, "")}
         opts = cls(**kw)
         if opts.s3_retry_mode not in ("standard", "adaptive", "legacy"):
             raise ConfigError(f"s3_retry_mode={opts.s3_retry_mode!r}: use standard or adaptive")
@@ -84,11 +88,3 @@ class S3Options:
         """Options from ``CKRUN_<KEY>`` variables (``CKRUN_ENDPOINT_URL``, ...)."""
         env = os.environ if environ is None else environ
         return cls.from_mapping({f.name: env.get("CKRUN_" + f.name.upper()) for f in fields(cls)})
-
-
-def _coerce(f: Any, v: Any) -> Any:
-    t = str(f.type)
-    try:
-        return int(v) if t == "int" else float(v) if t == "float" else str(v)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{f.name}={v!r} is not a valid {t}") from exc
