@@ -151,7 +151,7 @@ def _name(path: str) -> str:
 
 def _read(f: Any, size: int, key: str) -> dict[str, Any]:
     """Verify the trailer, size and CRC32C of a :func:`save` file, then decode it."""
-    from ckrun.checkpoint import shard as fmt
+    from ckrun.checkpoint.shard_reader import read_shard
 
     if size < TRAILER.size:
         raise CorruptCheckpoint(f"{key}: {size} bytes, too short for a ckrun file", key=key)
@@ -164,7 +164,7 @@ def _read(f: Any, size: int, key: str) -> dict[str, Any]:
     if n != size - TRAILER.size:
         raise CorruptCheckpoint(f"{key}: trailer says {n} bytes, file has {size}", key=key)
     f.seek(0)
-    tree = fmt.read_shard(
+    tree = read_shard(
         io.BufferedReader(_Bounded(f, n)), size_bytes=n, checksum=f"crc32c:{crc:08x}", key=key
     )
     if not isinstance(tree, dict):

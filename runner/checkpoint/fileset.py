@@ -190,14 +190,14 @@ def read_files(storage: Storage, m: Manifest) -> FileSet:
     Raises:
         CorruptCheckpoint: truncated, damaged, or not a file set.
     """
-    from ckrun.checkpoint import shard as fmt
+    from ckrun.checkpoint.shard_reader import read_shard
 
     s = m.shards[0]
     info = storage.head(s.key)
     if info is None or info.size_bytes != s.size_bytes:
         raise CorruptCheckpoint(f"{s.key}: missing or truncated", key=s.key, step=m.step)
     with storage.open_read(s.key) as f:
-        tree = fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+        tree = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
     if not isinstance(tree, dict) or tree.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{s.key}: not a ckrun file set", key=s.key, step=m.step)
     out: dict[str, Any] = {}

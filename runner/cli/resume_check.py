@@ -216,11 +216,11 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
         CheckpointError: the run has checkpoints but no final one (it did not complete).
     """
     from ckrun.checkpoint import discovery, fileset
-    from ckrun.checkpoint import shard as fmt
+    from ckrun.checkpoint.env import open_storage_from_env
+    from ckrun.checkpoint.shard_reader import read_shard
     from ckrun.cli.resume_artifacts import file_set_tree
-    from ckrun.storage import open_storage
 
-    storage = open_storage(run_root)
+    storage = open_storage_from_env(run_root)
     ms = discovery.committed(storage)
     if not ms:
         raise NoCkrunCheckpoints(
@@ -242,7 +242,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     tree: dict[str, Any] = {"step": m.step}
     for s in sorted(m.shards, key=lambda s: s.rank):
         with storage.open_read(s.key) as f:
-            shard = fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+            shard = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
         tree.update(shard if m.world_size == 1 else {f"rank{s.rank}": shard})
     return m.step, tree
 
