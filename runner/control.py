@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 from ckrun.notices import Notice
@@ -35,6 +36,7 @@ _flag = threading.Event()
 _received: list[int] = []
 _installed: set[int] = set()
 _checks = [0]  # calls of preemption_requested() in this process
+_hooks: list[Callable[[], None]] = []  # run at every check (per-step digests)
 
 
 def control_dir() -> str | None:
@@ -160,8 +162,17 @@ def _drill_due() -> bool:
     return True
 
 
+def add_check_hook(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at every :func:`preemption_requested` call, i.e. after every step
+    (``ckrun check-resume``'s per-step digests, :func:`ckrun.checkpoint.state.record_step`)."""
+    if fn not in _hooks:
+        _hooks.append(fn)
+
+
 def _local_flag() -> bool:
     _checks[0] += 1
+    for hook in _hooks:
+        hook()
     if _flag.is_set():
         return True
     if _drill_due():

@@ -43,6 +43,44 @@ def capture_value(v: Any) -> Any:
     return v
 
 
+#: Per-step digests ``{step: crc32c}`` of the state after each step, recorded when
+#: ``CKRUN_STEP_DIGEST=1`` (``ckrun check-resume``), saved with every checkpoint as
+#: ``ckrun_steps`` and restored with it: the comparison names the first step that differs.
+STEP_DIGESTS: dict[str, str] = {}
+
+
+def tree_digest(tree: Any) -> str:
+    """CRC32C (``%08x``) over the tensors and primitives of ``tree`` in key order."""
+    import crc32c
+
+    crc = 0
+
+    def walk(v: Any) -> None:
+        nonlocal crc
+        if isinstance(v, torch.Tensor):
+            b = v.detach().cpu().contiguous().view(-1).view(torch.uint8)
+            crc = crc32c.crc32c(b.numpy().data, crc)
+        elif isinstance(v, Mapping):
+            for k in sorted(v, key=str):
+                crc = crc32c.crc32c(str(k).encode(), crc)
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        else:
+            crc = crc32c.crc32c(repr(v).encode(), crc)
+
+    walk(tree)
+    return f"{crc:08x}"
+
+
+def record_step(state: Mapping[str, Any]) -> None:
+    """Record the digest of ``state`` as the next step's (numbering continues after a
+    restore: the restored digests end at the checkpoint's step)."""
+    step = max((int(s) for s in STEP_DIGESTS), default=-1) + 1
+    STEP_DIGESTS[str(step)] = tree_digest(capture(state, rng=False)["user"])
+
+
 def capture(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
     """The tree to persist: ``{"version", "user": {...}, "rng": {...} | None}``.
 
@@ -52,11 +90,14 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
         raise CheckpointError(
             f"state must be a dict of name -> object, got {type(state).__qualname__}"
         )
-    return {
+    out = {
         "version": TREE_VERSION,
         "user": {str(k): capture_value(v) for k, v in state.items()},
         "rng": rng_state() if rng else None,
     }
+    if STEP_DIGESTS and rng:
+        out["ckrun_steps"] = dict(STEP_DIGESTS)
+    return out
 
 
 def restore(state: MutableMapping[str, Any], tree: Mapping[str, Any], *, where: str) -> None:
@@ -71,6 +112,10 @@ def restore(state: MutableMapping[str, Any], tree: Mapping[str, Any], *, where: 
     if not isinstance(tree, Mapping) or tree.get("version") != TREE_VERSION:
         raise CheckpointError(f"{where}: unknown run-state layout; upgrade ckrun")
     restore_into(state, tree["user"], where)
+    steps = tree.get("ckrun_steps")
+    if isinstance(steps, Mapping):
+        STEP_DIGESTS.clear()
+        STEP_DIGESTS.update({str(k): str(v) for k, v in steps.items()})
     if tree.get("rng") is not None:
         set_rng_state(tree["rng"])
 

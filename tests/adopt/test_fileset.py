@@ -157,3 +157,24 @@ def test_supervisor_and_cli_start_without_the_frameworks() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_step_digests_are_saved_and_continue_after_a_restore() -> None:
+    from ckrun.checkpoint import state as st
+
+    st.STEP_DIGESTS.clear()
+    model = torch.nn.Linear(2, 2)
+    s = {"model": model}
+    st.record_step(s)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    st.record_step(s)
+    tree = st.capture(s)
+    assert sorted(tree["ckrun_steps"]) == ["0", "1"]
+    assert tree["ckrun_steps"]["0"] != tree["ckrun_steps"]["1"]
+    st.STEP_DIGESTS.clear()
+    st.restore(s, tree, where="test")  # a resumed process: numbering continues at 2
+    st.record_step(s)
+    assert sorted(st.STEP_DIGESTS) == ["0", "1", "2"]
+    assert st.STEP_DIGESTS["2"] == tree["ckrun_steps"]["1"]
+    st.STEP_DIGESTS.clear()
