@@ -364,9 +364,9 @@ def check_resume(
             os.unlink(path)
     root = os.path.join(workdir, UNINTERRUPTED)
     final_step, ref = load_final(root)
-    file_set = _is_file_set_run(root)
+    file_set = drills.is_file_set_run(root)
     if watched:
-        marks = drills.commit_drills(_own_versions(root), interruptions, seed)
+        marks = drills.commit_drills(drills.own_versions(root), interruptions, seed)
         steps, k = marks, len(marks)
         env = {"CKRUN_DRILL_AFTER_COMMITS": ",".join(map(str, drills.per_attempt(marks)))}
         where = "after committed versions"
@@ -377,7 +377,7 @@ def check_resume(
             seed,
             edges=edges,
             file_set=file_set,
-            first_save=_first_save(root),
+            first_save=drills.first_save(root),
         )
         k = len(steps)
         env = {"CKRUN_DRILL_AT_CHECKS": ",".join(map(str, drill_counts(steps)))}
@@ -416,27 +416,3 @@ def check_resume(
             "(the final save follows at once: nothing is left to resume)"
         )
     return res
-
-
-def _is_file_set_run(run_root: str) -> bool:
-    from ckrun.checkpoint import discovery, fileset
-    from ckrun.storage import open_storage
-
-    ms = discovery.committed(open_storage(run_root))
-    return any(fileset.is_file_set(m) for m in ms)
-
-
-def _first_save(run_root: str) -> int | None:
-    """The step of the first (oldest listed) recovery checkpoint of a run, or None."""
-    from ckrun.checkpoint import discovery
-    from ckrun.storage import open_storage
-
-    steps = [m.step for m in discovery.committed(open_storage(run_root)) if m.kind != "final"]
-    return min(steps) if steps else None
-
-
-def _own_versions(run_root: str) -> int:
-    from ckrun.runlog import read_events
-
-    evs = read_events(os.path.join(run_root, "events.jsonl"))
-    return sum(1 for ev in evs if ev.get("kind") == "own_checkpoint")

@@ -15,6 +15,7 @@ actually drew from (``rng.used``), and say plainly when the run saves no RNG sta
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -129,3 +130,29 @@ def _used(tree: Mapping[str, Any]) -> set[str]:
     if isinstance(r, Mapping) and isinstance(r.get("used"), (list, tuple)):
         return {str(u) for u in r["used"]}
     return set()
+
+
+def is_file_set_run(run_root: str) -> bool:
+    """True when the run committed file sets (a framework's or a script's own files)."""
+    from ckrun.checkpoint import discovery, fileset
+    from ckrun.storage import open_storage
+
+    ms = discovery.committed(open_storage(run_root))
+    return any(fileset.is_file_set(m) for m in ms)
+
+
+def first_save(run_root: str) -> int | None:
+    """The step of the first (oldest listed) recovery checkpoint of a run, or None."""
+    from ckrun.checkpoint import discovery
+    from ckrun.storage import open_storage
+
+    steps = [m.step for m in discovery.committed(open_storage(run_root)) if m.kind != "final"]
+    return min(steps) if steps else None
+
+
+def own_versions(run_root: str) -> int:
+    """Versions of own-checkpoint files the supervisor committed (``own_checkpoint`` events)."""
+    from ckrun.runlog import read_events
+
+    evs = read_events(os.path.join(run_root, "events.jsonl"))
+    return sum(1 for ev in evs if ev.get("kind") == "own_checkpoint")

@@ -55,7 +55,7 @@ from ckrun.supervisor import machine as sm
 from ckrun.supervisor import process
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
-from ckrun.supervisor.watched import WatchedFiles
+from ckrun.supervisor.watched import WatchedFiles, deliver_to_script
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
 
@@ -229,7 +229,11 @@ class Supervisor:
         self._reap(now)
         w, c = self.watched, self.child
         if w is not None and c is not None and c.status is None:
-            step = w.poll(process.members(c))
+            try:
+                step = w.poll(process.members(c))
+            except CkrunError as e:  # the last committed version stands; retried next round
+                self.say(f"warning: own checkpoint not committed: {e}")
+                step = None
             if step is not None:
                 self.events.append("own_checkpoint", step=step, message="new version committed")
                 if w.drill_due():
@@ -312,17 +316,13 @@ class Supervisor:
         """Own-checkpoint mode: commit the last trustworthy version, say what was lost."""
         w = self.watched
         assert w is not None
-        w.after_exit(status, self.state.notice_at)
-        if status != 0 and self.state.notice_at is not None:
-            if w.last is None:
-                lost = "no version of the script's checkpoint exists: it restarts from scratch"
-            else:
-                ago = max(0.0, self.state.notice_at - w.last.committed_at)
-                lost = (
-                    f"its newest version {w.last.step} was committed {ago:.1f} s before the "
-                    "notice: the work since the script's own last save is lost"
-                )
-            self.say(f"own checkpoint {', '.join(w.paths)}: {lost}")
+        try:
+            w.after_exit(status, self.state.notice_at)
+        except CkrunError as e:
+            self.say(f"warning: own checkpoint not committed: {e}")
+        lost = w.lost_report(status, self.state.notice_at)
+        if lost:
+            self.say(lost)
 
     def _strays(self, c: process.Child, now: float) -> None:
         """Direct child gone, session not empty: wait, TERM, KILL (see module docstring)."""
@@ -369,17 +369,9 @@ class Supervisor:
         return None
 
     def _deliver(self, child: process.Child) -> list[int]:
-        """The notice signal to the processes that catch it; in own-checkpoint mode the
-        script's own signal (``child_signal``, default SIGTERM), to the whole session when
-        no process catches it (the script then stops at once: its last own save stands)."""
         if self.watched is None:
             return process.deliver(child, self.notice_sig)
-        sig = self.cfg.child_signal_number()
-        sent = process.deliver(child, sig)
-        if not sent:
-            sent = process.members(child)
-            process.signal_session(child, sig)
-        return sent
+        return deliver_to_script(child, self.cfg.child_signal_number())
 
     def _log(self, a: sm.Log) -> None:
         msg, fields = a.message, dict(a.fields)

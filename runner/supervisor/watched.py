@@ -31,8 +31,12 @@ import os
 import time
 import zipfile
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ckrun.storage.base import Storage
+
+if TYPE_CHECKING:
+    from ckrun.supervisor.process import Child
 
 log = logging.getLogger(__name__)
 
@@ -115,21 +119,13 @@ class WatchedFiles:
 
     def after_exit(self, status: int, notice_at: float | None) -> int | None:
         """The child is gone: commit a last new version if it is trustworthy, and the
-        final artifact on exit 0.  Logs what the preemption lost."""
+        final artifact on exit 0."""
         cur = {p: _sig(p) for p in self.paths}
         step = None
         if cur != self._seen:
             step = self._commit(cur, validate_all=status not in _CLEAN_EXITS)
         if status == 0 and any(s is not None for s in cur.values()):
             self._commit(cur, validate_all=False, kind="final")
-        elif status != 0 and self.last is not None and notice_at is not None:
-            log.info(
-                "own checkpoint %s: newest version %d committed %.1f s before the notice; "
-                "the script's work since its own last save is lost",
-                ", ".join(self.paths),
-                self.last.step,
-                max(0.0, notice_at - self.last.committed_at),
-            )
         return step
 
     def _commit(
@@ -172,6 +168,20 @@ class WatchedFiles:
             self.commits_this_attempt += 1
         return m.step
 
+    def lost_report(self, status: int, notice_at: float | None) -> str | None:
+        """What a preemption (non-zero exit after a notice) lost, in one line."""
+        if status == 0 or notice_at is None:
+            return None
+        if self.last is None:
+            lost = "no version of the script's checkpoint exists: it restarts from scratch"
+        else:
+            ago = max(0.0, notice_at - self.last.committed_at)
+            lost = (
+                f"its newest version {self.last.step} was committed {ago:.1f} s before the "
+                "notice: the work since the script's own last save is lost"
+            )
+        return f"own checkpoint {', '.join(self.paths)}: {lost}"
+
     def drill_due(self) -> bool:
         """``CKRUN_DRILL_AFTER_COMMITS`` (``ckrun check-resume`` in own-checkpoint mode):
         True right after this attempt's Nth committed version, N the attempt's entry of
@@ -182,6 +192,19 @@ class WatchedFiles:
         except ValueError:
             return False
         return self._attempt < len(counts) and self.commits_this_attempt == counts[self._attempt]
+
+
+def deliver_to_script(child: Child, sig: int) -> list[int]:
+    """A notice for a script with its own checkpoint: ``sig`` to the processes that catch
+    it, or to the whole session when none does (the script then stops at once; its last
+    own save stands).  Returns the pids addressed."""
+    from ckrun.supervisor import process
+
+    sent = process.deliver(child, sig)
+    if not sent:
+        sent = process.members(child)
+        process.signal_session(child, sig)
+    return sent
 
 
 def _name(path: str) -> str:
