@@ -262,6 +262,12 @@ class Checkpointer:
             RunLocked: another process writes this run.
             CheckpointError: the checkpoint does not fit the state (wrong model).
         """
+        t0 = time.monotonic()
+        m = self._load(state)
+        _report_training_start(m, time.monotonic() - t0, self.rank)
+        return m
+
+    def _load(self, state: MutableMapping[str, Any]) -> Manifest | None:
         self._acquire()
         current = self.compat_block(state)
         for m in scan(self.storage).manifests:
@@ -357,7 +363,10 @@ class Checkpointer:
             CheckpointError: a value in ``state`` cannot be checkpointed.
         """
         milestone = bool(self.milestone_every and step % self.milestone_every == 0)
-        return self._save(step, state, "milestone" if milestone else "recovery", metrics)
+        t0 = time.monotonic()
+        m = self._save(step, state, "milestone" if milestone else "recovery", metrics)
+        _report_save(m, time.monotonic() - t0, "sync", self.rank)
+        return m
 
     def finalize(
         self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
@@ -367,7 +376,9 @@ class Checkpointer:
         Raises:
             RunComplete: already finalized.  Storage errors as :meth:`save`.
         """
+        t0 = time.monotonic()
         m = self._save(step, state, "final", metrics)
+        _report_save(m, time.monotonic() - t0, "sync", self.rank)
         if self.rank == 0:
             self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
         self._complete = True
@@ -515,7 +526,13 @@ class Checkpointer:
             return SaveHandle.completed(self.save(step, state, metrics=metrics))
         if self._async is None:
             self._async = aio.AsyncSaver(self)
-        return self._async.save(step, state, metrics)
+        t0 = time.monotonic()
+        h = self._async.save(step, state, metrics)
+        if self.rank == 0:
+            from ckrun.runlog import child_event
+
+            child_event("save", step=step, seconds=time.monotonic() - t0, mode="async")
+        return h
 
     def wait(self) -> Manifest | None:
         """Wait for the in-flight ``async_save``; its manifest, or None when none.
@@ -600,6 +617,25 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _report_training_start(m: Manifest | None, seconds: float, rank: int) -> None:
+    """Tell the run's log and the supervisor that training starts (``restore`` event,
+    :func:`ckrun.control.mark_training`); a no-op outside the supervisor."""
+    from ckrun.control import mark_training
+    from ckrun.runlog import child_event
+
+    if rank == 0:
+        child_event("restore", step=m.step if m is not None else None, seconds=seconds)
+    mark_training("restore")
+
+
+def _report_save(m: Manifest, seconds: float, mode: str, rank: int) -> None:
+    """The ``save`` event: the training loop was blocked ``seconds`` for step ``m.step``."""
+    if rank == 0:
+        from ckrun.runlog import child_event
+
+        child_event("save", step=m.step, seconds=seconds, mode=mode, ckpt_kind=m.kind)
 
 
 def _basename(url: str) -> str:
