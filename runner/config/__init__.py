@@ -205,9 +205,16 @@ def parse_duration(value: Any) -> float:
         raise ConfigError(f"invalid duration {value!r}: use seconds, e.g. 90 or 90s")
     if isinstance(value, (int, float)):
         if value < 0:
-            raise ConfigError(f"invalid duration {value!r}: must be >= 0")
+            raise ConfigError(
+                f"invalid duration {value!r}: durations cannot be negative (use >= 0)"
+            )
         return float(value)
     m = _DURATION.match(str(value))
+    if not m and _DURATION.match(str(value).strip().removeprefix("-")):
+        raise ConfigError(
+            f"invalid duration {value!r}: durations cannot be negative; use 0 or more "
+            "seconds, e.g. 90, 90s, 2m or 1h"
+        )
     if not m:
         raise ConfigError(f"invalid duration {value!r}: use seconds, e.g. 90, 90s, 2m or 1h")
     return float(m.group(1)) * _UNIT_S[m.group(2)]
@@ -262,7 +269,8 @@ def load_profile(name: str) -> dict[str, Any]:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         shipped = sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
         raise ConfigError(
-            f"unknown profile {name!r}; shipped profiles: {', '.join(shipped)}"
+            f"unknown profile {name!r}{_did_you_mean(name, shipped)}; shipped profiles: "
+            f"{', '.join(shipped)}"
         ) from None
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
@@ -342,11 +350,41 @@ def _cloud_values(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest choice (difflib), or ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+#: Run names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.`` or ``-``.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+
+
+def check_run_name(name: str) -> str:
+    """``name`` if it is a valid run name: letters, digits and ``._-`` only, not starting
+    with ``.`` or ``-``, at most 200 characters (it becomes a directory and a storage
+    prefix, so no path components: ``../x`` would write outside the storage root).
+
+    Raises:
+        ConfigError: otherwise, naming the rule.
+    """
+    if not _RUN_NAME.match(name):
+        raise ConfigError(
+            f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' only "
+            "(no '/' or spaces, not starting with '.' or '-'), e.g. --run charlm-1"
+        )
+    return name
+
+
 def _unknown_msg(unknown: list[str], scheduler: str, backend_keys: list[str]) -> str:
     cloud = f", cloud notices [{', '.join(cloud_keys())}]" if cloud_keys() else ""
     cloud += f", S3 storage [{', '.join(storage_keys())}]"
+    valid = common_keys() + backend_keys + cloud_keys() + storage_keys()
+    hints = "".join(_did_you_mean(k, valid) for k in unknown)
     return (
-        f"unknown config key(s) {', '.join(unknown)}; valid keys: common "
+        f"unknown config key(s) {', '.join(unknown)}{hints}; valid keys: common "
         f"[{', '.join(common_keys())}], {scheduler} [{', '.join(backend_keys)}]{cloud}"
     )
 
@@ -374,10 +412,13 @@ def resolve(
         command: the training command.
 
     Raises:
-        ConfigError: unknown profile or keys (with the valid list), bad values, a
+        ConfigError: unknown profile or keys (with the valid list and the closest
+            one), bad values, an invalid run name (:func:`check_run_name`), a
             ``notice_sources`` name not known.
     """
     env = os.environ if env is None else env
+    if run:
+        check_run_name(run)
     layers: list[tuple[str, dict[str, Any]]] = [("profile:" + profile, load_profile(profile))]
     scheduler = str(layers[0][1].get("scheduler", RunConfig.scheduler))
     backend_keys = [f.name for f in dataclasses.fields(backend_options_class(scheduler))]

@@ -193,6 +193,12 @@ class LocalScheduler:
             raise SchedulerError(f"cannot start the local supervisor: {e}") from e
         return str(child.pid)
 
+    def log_files(self, spec: JobSpec, job_id: str) -> list[str]:
+        """The detached supervisor's log (its output and its child's)."""
+        return [
+            spec.env.get("CKRUN_SUPERVISOR_LOG") or os.path.join(spec.storage, "supervisor.log")
+        ]
+
     def status(self, job_id: str) -> JobState:
         """RUNNING while the supervisor pid exists, else UNKNOWN (see ``ckrun status``)."""
         try:
