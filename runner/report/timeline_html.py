@@ -44,7 +44,7 @@ LABELS = {
     "waiting": "waiting (requeue, queue)",
 }
 
-LEFT, PLOT_W, ROW_H, BAR_H, TOP = 90, 860, 40, 20, 34
+LEFT, PLOT_W, ROW_H, BAR_H, TOP = 130, 820, 40, 20, 34
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;background:#fff}
@@ -125,7 +125,9 @@ def _timeline(s: dict[str, Any]) -> str:
         out.append(
             f'<g class="notice" data-source="{_e(n["source"])}" data-lead="{n["lead_s"]}">'
             f'<path d="M{x - 6:.1f},{y - 9} L{x + 6:.1f},{y - 9} L{x:.1f},{y} Z" '
-            f'fill="#ff6f00"/><text x="{x + 8:.1f}" y="{y - 1}">{_e(n["source"])}, '
+            f'fill="#ff6f00"/><text x="{x + (8 if x < LEFT + 0.7 * PLOT_W else -8):.1f}" '
+            f'y="{y - 1}" text-anchor="{"start" if x < LEFT + 0.7 * PLOT_W else "end"}">'
+            f"{_e(n['source'])}, "
             f"lead {lead}</text><title>{_e(n['kind'])} notice from {_e(n['source'])} at "
             f"+{n['at_s']:.1f} s, lead time {lead}</title></g>"
         )
@@ -192,7 +194,7 @@ def render_html(s: dict[str, Any]) -> str:
         f"<title>ckrun run {_e(s['run'])}</title><style>{_CSS}</style></head><body>"
         f"<h1>run {_e(s['run'])}: {_e(s['state'])}</h1>"
         f'<p class="sub">started {_e(s.get("start_utc"))}; {s["attempts"]} attempts, '
-        f"{s['preemptions']} preemptions, {s['failures']} failures; newest committed step "
+        f"{s['preemptions']} preemption(s), {s['failures']} failure(s); newest committed step "
         f"{_e(s['last_committed_step'])}{'; complete' if s['complete'] else ''}</p>"
         f'<p>goodput <span class="goodput" id="goodput">{gp}</span> &nbsp; '
         f"{s['productive_s']:.1f} s productive of {s['wall_s']:.1f} s wall; "
