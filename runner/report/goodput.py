@@ -33,9 +33,11 @@ Overheads, each reported (all seconds):
 
 They add up to the wall time.  Steps are counted as the library's examples number them
 (checkpoint ``N`` holds training step ``N``, 0-based): an attempt resumed from ``R`` that
-keeps ``K`` did ``K - R`` steps; a fresh start that keeps ``K`` did ``K + 1``.  An attempt whose training process did not report its
-training start (a log from before that event existed, or a child that does not use the
-library) cannot be split: its start-up and restore count as training.
+keeps ``K`` did ``K - R`` steps; a fresh start that keeps ``K`` did ``K + 1``.
+
+An attempt whose training process did not report its training start (a log from before
+that event existed, or a child that does not use the library) cannot be split: its
+start-up and restore count as training.
 """
 
 from __future__ import annotations
