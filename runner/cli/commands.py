@@ -19,7 +19,13 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from ckrun.config import RunConfig, build_notice_sources, is_local_storage, resolve
+from ckrun.config import (
+    RunConfig,
+    build_notice_sources,
+    check_run_name,
+    is_local_storage,
+    resolve,
+)
 from ckrun.errors import ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
 from ckrun.notices import iso_utc, utcnow
 from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
@@ -126,6 +132,7 @@ def locate(name: str, storage: str | None) -> RunDir:
         ConfigError: ``name`` is not a valid run name.
         UsageError: no run of that name exists there.
     """
+    check_run_name(name)
     cfg = _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
     rd = RunDir(cfg.state_root)
     if not rd.exists():
@@ -209,7 +216,7 @@ def submit(
     With ``dry_run`` only the job (the sbatch script, the Job YAML, or the local command
     line) goes to stdout, so it pipes into ``sbatch`` or ``kubectl apply -f -``; the
     resolved configuration precedes it only with ``show_config``."""
-    name = run_name or default_run_name(command)
+    name = default_run_name(command) if run_name is None else check_run_name(run_name)
     cfg = _absolute(resolve(profile, cli, run=name, command=command))
     local = cfg.scheduler == "local"
     rundir = _submit_state(cfg)
@@ -307,6 +314,7 @@ def run(
     scheduler: str | None = None,
 ) -> int:
     """``ckrun run``: the supervisor alone, for run ``run_name``; returns the exit code."""
+    check_run_name(run_name)
     base = _absolute(resolve(profile or "local", cli, run=run_name, command=command))
     rundir = RunDir(base.state_root)
     frozen = rundir.load_config()

@@ -164,9 +164,12 @@ class _SubmitCommand(click.Command):
             name = token.split("=", 1)[0]
             if name in known:
                 continue
-            close = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
             if dashdash:
+                close = difflib.get_close_matches(name, known, n=1)
                 raise click.NoSuchOption(name, possibilities=close, ctx=ctx)
+            # without `--` the option is the script's (`train.py --steps 600`): only a
+            # near-exact ckrun option name earns a note
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
             if close:
                 click.echo(
                     f"[ckrun] note: {name} is not a ckrun option and goes to the script "
