@@ -129,10 +129,18 @@ def logs(name: str, storage: str | None, follow: bool) -> None:
     """The supervisor's and the training process's output of run NAME (detached or
     scheduled runs; a foreground run printed to its terminal)."""
     from ckrun.cli.commands import hint, locate, run_storage
+    from ckrun.supervisor.rundir import read_json
 
     rd = locate(name, storage)
     files = log_files(rd)
-    if not files and not os.path.exists(rd.job_json):
+    job = read_json(rd.job_json)
+    if not files and job and job.get("backend") == "k8s":
+        ns, _, jname = str(job.get("job_id")).rpartition("/")
+        raise UsageError(
+            f"run {name!r} runs as Kubernetes Job {job.get('job_id')}: its output is the "
+            f"pods' log, `kubectl logs -n {ns or 'default'} job/{jname}{' -f' if follow else ''}`"
+        )
+    if not files:
         raise UsageError(
             f"run {name!r} has no output file: it ran in the foreground (its output went "
             f"to that terminal) or was never submitted; `{hint('status', name, run_storage(rd))}`"
