@@ -176,6 +176,8 @@ def _scheduler(job: dict[str, Any] | None) -> str:
         return "<p>No scheduler record (a local run).</p>"
     rows = []
     for k, v in job.items():
+        if v is None:
+            continue  # not known to the scheduler (or its tools are not installed here)
         val = json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v)
         rows.append(f"<tr><th>{_e(k)}</th><td>{_e(val)}</td></tr>")
     return f'<table id="scheduler">{"".join(rows)}</table>'

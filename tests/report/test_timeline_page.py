@@ -80,3 +80,43 @@ def test_page_of_an_empty_run_renders(tmp_path: Path) -> None:
     s = runstatus.summarize(rd)
     page = render_html(s)
     assert "<svg" in page and s["attempts"] == 0 and s["goodput"] is None
+
+
+GOLDEN = Path(__file__).with_name("golden") / "stormy.skeleton.txt"
+
+
+def skeleton(text: str) -> str:
+    """The page's structure: one line per element with a class or an id (tag, id, class,
+    ``data-*``), without coordinates or text; regenerate with ``CKRUN_UPDATE_GOLDEN=1``."""
+    lines = []
+    for tag, a in Elements(text).tags:
+        if "class" not in a and "id" not in a:
+            continue
+        data = " ".join(f"{k}={a[k]}" for k in sorted(a) if k.startswith("data-"))
+        lines.append(f"{tag} #{a.get('id', '')} .{a.get('class', '')} {data}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def test_golden_structure_of_the_scripted_page(tmp_path: Path) -> None:
+    import os
+
+    text = skeleton(_page(tmp_path).read_text())
+    if os.environ.get("CKRUN_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), f"page changed; CKRUN_UPDATE_GOLDEN=1 rewrites {GOLDEN}"
+
+
+def test_scheduler_record_is_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from ckrun.cli import status as runstatus
+
+    rd = stormy().write(tmp_path / "runs", "REQUEUE_FAILED", 77)
+    Path(rd.job_json).write_text(json.dumps({"backend": "slurm", "job_id": "4242"}))
+    (tmp_path / "empty-bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no squeue/sacct here
+    text = render_html(runstatus.summarize(rd))
+    assert any(t == "table" and a.get("id") == "scheduler" for t, a in Elements(text).tags)
+    assert "<th>backend</th><td>slurm</td>" in text and "<th>job_id</th><td>4242</td>" in text
+    assert "No scheduler record" not in text
