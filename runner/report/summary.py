@@ -94,11 +94,22 @@ def interval_numbers(state_root: str) -> dict[str, Any]:
     }
 
 
+def supervisor_died(events: list[dict[str, Any]]) -> bool:
+    """True when the last supervisor left no ``supervisor_exit`` record (killed: SIGKILL,
+    OOM killer, lost node); only meaningful when no live supervisor holds the run."""
+    starts = [i for i, e in enumerate(events) if e.get("kind") == "supervisor_start"]
+    return bool(starts) and not any(
+        e.get("kind") == "supervisor_exit" for e in events[starts[-1] :]
+    )
+
+
 def _state(rd: RunDir, h: History, events: list[dict[str, Any]], live: bool) -> str:
     if live:
         spawns = [i for i, e in enumerate(events) if e.get("kind") == "spawn"]
         tail = events[spawns[-1] :] if spawns else []
         return "DRAINING" if any(e.get("kind") == "notice" for e in tail) else "RUNNING"
+    if supervisor_died(events):
+        return "SUPERVISOR_DIED"
     if h.final_state is not None:
         return str(h.final_state)
     return "SUBMITTED" if h.submitted is not None else "NEW"
@@ -122,6 +133,7 @@ def summarize(rd: RunDir, now: dt.datetime | None = None) -> dict[str, Any]:
             if a.end is None:
                 a.end = max([a.spawn, *(s.end for s in a.saves), *(a.train_start or a.spawn,)])
                 a.outcome = "lost" if a.outcome == "running" else a.outcome
+    state = _state(rd, h, events, live)
     steps = [c.step for a in h.attempts for c in a.commits]
     newest = newest_step(rd, max(steps) if steps else None)
     acc = goodput.account(h, t_now, newest)
@@ -166,10 +178,10 @@ def summarize(rd: RunDir, now: dt.datetime | None = None) -> dict[str, Any]:
     ]
     return {
         "run": cfg.get("run", ""),
-        "state": _state(rd, h, events, live),
+        "state": state,
         "live": live,
         "supervisor": holder,
-        "exit_code": h.exit_code,
+        "exit_code": None if state == "SUPERVISOR_DIED" else h.exit_code,
         "command": cfg.get("command"),
         "start_utc": iso_utc(dt.datetime.fromtimestamp(acc.start, dt.timezone.utc)),
         "attempts": len(h.attempts),

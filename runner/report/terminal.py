@@ -53,8 +53,13 @@ def render(s: dict[str, Any]) -> str:
     marker = ", COMPLETE.json present" if s["complete"] else ""
     ov = s.get("overheads_s") or {}
     lost_steps = "?" if s.get("lost_steps") is None else f"{s['lost_steps']:g}"
+    died = (
+        " (its supervisor was killed; `ckrun submit` or `ckrun run` resumes)"
+        if s["state"] == "SUPERVISOR_DIED"
+        else ""
+    )
     lines = [
-        f"run {s['run']}: {s['state']}{live}{marker}",
+        f"run {s['run']}: {s['state']}{live}{marker}{died}",
         f"  attempts {s['attempts']}, preemptions {s['preemptions']}, "
         f"failures {s['failures']}, last committed step {s['last_committed_step']}",
         f"  wall {s['wall_s']:.1f} s, useful {s['useful_s']:.1f} s, "

@@ -120,3 +120,16 @@ def test_status_json_is_numbers_not_sentences(tmp_path: Path) -> None:
             assert " " not in x or path in (".command",), f"sentence at {path}: {x!r}"
 
     walk({k: v for k, v in s.items() if k not in ("command", "supervisor")}, "")
+
+
+def test_a_killed_supervisor_is_reported_as_such(tmp_path: Path) -> None:
+    # (issue 11's state, kept by the report) the last supervisor left no exit record
+    s = Script()
+    s.ev(0, 0, "supervisor_start").ev(0, 0, "spawn").ev(9, 0, "attempt_end", status=75)
+    s.ev(9, 0, "supervisor_exit", state="PREEMPTED", exit_code=75)
+    s.ev(20, 1, "supervisor_start").ev(20, 1, "spawn").ev(22, 1, "restore", seconds=0.5)
+    st = runstatus.summarize(s.write(tmp_path))
+    assert st["state"] == "SUPERVISOR_DIED" and st["exit_code"] is None
+    assert "its supervisor was killed" in runstatus.render(st)
+    # its attempt ends at its last report, not now: no unsaved work grows forever
+    assert st["wall_s"] == pytest.approx(22.0)
