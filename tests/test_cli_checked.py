@@ -108,3 +108,12 @@ def test_suggested_commands_carry_the_storage_that_found_the_run(tmp_path: Path)
     (tmp_path / "elsewhere").mkdir()
     r = cli(["status", "done", "--storage", str(runs)], tmp_path / "elsewhere")
     assert r.returncode == 0 and "COMPLETE.json present" in r.stdout
+
+
+def test_status_html_to_an_unwritable_path_names_it(tmp_path: Path) -> None:
+    runs = _complete_run(tmp_path)
+    bad = tmp_path / "no-such-dir" / "page.html"
+    r = cli(["status", "done", "--storage", str(runs), "--html", str(bad)], tmp_path)
+    assert r.returncode == 2 and f"--html {bad}: cannot write it" in r.stderr, r.stderr
+    r = cli(["status", "done", "--storage", str(runs), "--watch", "--every", "0"], tmp_path)
+    assert r.returncode == 2 and "--every" in r.stderr

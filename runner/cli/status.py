@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import click
+from ckrun.errors import UsageError
 from ckrun.report.summary import scheduler_view, summarize
 from ckrun.report.terminal import render
 from ckrun.supervisor.rundir import RunDir
@@ -34,15 +35,18 @@ def show(rd: RunDir, *, as_json: bool = False, html_file: str | None = None) -> 
     ``html_file`` when given; returns the summary.
 
     Raises:
-        OSError: ``html_file`` cannot be written.
+        UsageError: ``html_file`` cannot be written.
     """
     s = summarize(rd)
     click.echo(json.dumps(s, indent=1) if as_json else render(s))
     if html_file:
         from ckrun.report.timeline_html import render_html
 
-        with open(html_file, "w", encoding="utf-8") as f:
-            f.write(render_html(s))
+        try:
+            with open(html_file, "w", encoding="utf-8") as f:
+                f.write(render_html(s))
+        except OSError as e:
+            raise UsageError(f"--html {html_file}: cannot write it ({e.strerror})") from e
         if not as_json:
             click.echo(f"timeline page: {html_file}", err=True)
     return s
