@@ -92,15 +92,39 @@ def render(s: dict[str, Any]) -> str:
                 f"{a['outcome']:<10} productive {a['productive_s']:.1f} s to step {keep}"
                 + ("" if a["measured"] else " (start-up not reported)")
             )
-    for i in s["interruptions"]:
+    shown = s["interruptions"]
+    if len(shown) > 4:  # many drills: list only the interruptions that cost steps
+        clean = [i for i in shown if i["lost_steps"] == 0]
+        shown = [i for i in shown if i["lost_steps"] != 0]
+        if clean:
+            lines.append(
+                f"  {len(clean)} interruption(s) lost no steps (their checkpoint committed)"
+            )
+    for i in shown:
         steps = "?" if i["lost_steps"] is None else f"{i['lost_steps']:g}"
         lines.append(
             f"  attempt {i['attempt']}: {i['interruption']} (status {i['status']}), "
             f"lost {i['lost_s']:.1f} s / {steps} steps"
         )
-    for n in s.get("notices") or []:
-        lead = "" if n["lead_s"] is None else f", lead {n['lead_s']:g} s"
-        lines.append(f"  notice at +{n['at_s']:.1f} s: {n['kind']} from {n['source']}{lead}")
+    notices = s.get("notices") or []
+    if len(notices) <= 4:
+        for n in notices:
+            lead = "" if n["lead_s"] is None else f", lead {n['lead_s']:g} s"
+            lines.append(f"  notice at +{n['at_s']:.1f} s: {n['kind']} from {n['source']}{lead}")
+    else:  # one line per source: count and lead times
+        parts = []
+        for src in dict.fromkeys(n["source"] for n in notices):
+            mine = [n for n in notices if n["source"] == src]
+            leads = sorted({n["lead_s"] for n in mine if n["lead_s"] is not None})
+            lead = (
+                ""
+                if not leads
+                else f", lead {leads[0]:g} s"
+                if len(leads) == 1
+                else f", lead {leads[0]:g}-{leads[-1]:g} s"
+            )
+            parts.append(f"{len(mine)} from {src}{lead}")
+        lines.append("  notices: " + "; ".join(parts) + " (--json or --html for each)")
     return "\n".join(lines)
 
 

@@ -30,6 +30,10 @@ def test_five_of_three_hundred_steps_is_not_eighty_percent(tmp_path: Path) -> No
     assert sum(ov.values()) + s["productive_s"] == pytest.approx(s["wall_s"])
     text = runstatus.render(s)
     assert "goodput 8.3%" in text and "start-up 7.2 s" in text
+    # compact: 5 drills are summed up, not listed line by line
+    assert "notices: 5 from chaos, lead 60 s" in text
+    assert "5 interruption(s) lost no steps" in text and "attempt 3: preemption" not in text
+    assert len(text.splitlines()) == 5 + 1 + 5 + 2  # header 5, legend, bars, 2 summaries
 
 
 def test_recomputed_steps_are_lost_when_a_later_attempt_resumes_from_an_older_commit() -> None:
