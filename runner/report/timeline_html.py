@@ -70,7 +70,7 @@ def _timeline(s: dict[str, Any]) -> str:
     rows = s.get("attempt_detail") or []
     height = TOP + ROW_H * max(1, len(rows)) + 30
     out = [
-        f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{LEFT + PLOT_W + 20}"'
+        f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{LEFT + PLOT_W + 50}"'
         f' height="{height}" role="img" aria-label="attempts on a time axis">'
     ]
     axis_y = TOP + ROW_H * max(1, len(rows)) + 4
