@@ -356,14 +356,30 @@ def _index(pod: dict[str, Any]) -> tuple[str, ...]:
     return tuple(str(tags.get(k, "")) for k in _INDEX_KEYS)
 
 
-def group_state(pods: list[dict[str, Any]], requeue_codes: tuple[int, ...]) -> JobState:
+def _pod_count(job: dict[str, Any]) -> int:
+    """Pods of one generation: a Job's ``completions``, a JobSet's sum over its Jobs."""
+    spec = job.get("spec") or {}
+    if "replicatedJobs" in spec:
+        return sum(
+            int(r.get("replicas", 1)) * int((r["template"].get("spec") or {}).get("completions", 1))
+            for r in spec["replicatedJobs"]
+        )
+    return int(spec.get("completions") or 1)
+
+
+def group_state(
+    pods: list[dict[str, Any]], requeue_codes: tuple[int, ...], expected: int = 1
+) -> JobState:
     """The state of a run's pods (oldest first): the newest pod of each index decides for
-    its index (:func:`pod_state`), the indexes' states combine by :data:`_GROUP_ORDER`.
-    One pod per run (one index) is the single-node case."""
+    its index (:func:`pod_state`), the indexes' states combine by :data:`_GROUP_ORDER`;
+    fewer indexes than ``expected`` have a pod: PENDING at best.  One pod per run (one
+    index) is the single-node case."""
     newest: dict[tuple[str, ...], dict[str, Any]] = {}
     for pod in pods:
         newest[_index(pod)] = pod
     states = {pod_state(p, requeue_codes) for p in newest.values()}
+    if len(newest) < expected:
+        states.add(JobState.PENDING)
     return next(s for s in _GROUP_ORDER if s in states)
 
 
@@ -390,7 +406,7 @@ def job_state(
             return JobState.TIMEOUT if deadline else JobState.FAILED
     if "Suspended" in conds or not pods:
         return JobState.PENDING
-    return group_state(pods, requeue_codes)
+    return group_state(pods, requeue_codes, _pod_count(job))
 
 
 def describe(
