@@ -265,9 +265,11 @@ def test_cli_dry_run_of_the_readme_example_is_schema_valid(tmp_path: Path) -> No
     env = dict(os.environ, CKRUN_STATE_DIR=str(tmp_path / "state"))
     for key in ("KUBERNETES_SERVICE_HOST", "SLURM_JOB_ID", "CKRUN_STORAGE_BASE", "CKRUN_IMAGE"):
         env.pop(key, None)
+    # README.md's Kubernetes section, word for word (plus --run)
     argv = [str(Path(sys.executable).with_name("ckrun")), "submit", "train.py", "--profile"]
-    argv += ["k8s", "--nnodes", "2", "--nproc-per-node", "8", "--set", "image=IMG:1"]
-    argv += ["--storage", "s3://acme-ckpt/runs", "--run", "llm", "--dry-run"]
+    argv += ["k8s", "--set", "image=ghcr.io/me/train:1", "--gpus", "8", "--nnodes", "2"]
+    argv += ["--nproc-per-node", "8", "--storage", "s3://bucket/runs", "--dry-run"]
+    argv += ["--run", "llm"]
     r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
     docs = list(yaml.safe_load_all(r.stdout[r.stdout.index("# ckrun Service + Job") :]))
@@ -275,6 +277,8 @@ def test_cli_dry_run_of_the_readme_example_is_schema_valid(tmp_path: Path) -> No
     for doc in docs:
         assert _k8s_errors(doc) == {}, doc["kind"]
     assert docs[1]["spec"]["completions"] == 2
+    readme = (HERE.parents[1] / "README.md").read_text().replace("\\\n    ", "")
+    assert "ckrun submit " + " ".join(argv[2:-2]) in readme  # the example is this command
     r = subprocess.run(
         [*argv, "--set", "k8s_kind=jobset"],
         capture_output=True,
