@@ -14,7 +14,10 @@ the test, and only these:
   pod's mount namespace) maps the pods' stable names ``<job>-<index>.<service>`` to
   127.0.0.1; every pod shares the machine's loopback network;
 * the PVC: a directory on the local disk, mounted nowhere (``pvc_mount_path`` points at
-  it);
+  it); with S3 storage, moto's S3 server on 127.0.0.1 stands in for S3, its endpoint
+  and dummy credentials are put in the pod's env (what ``env_from_secret`` would
+  inject), and each pod's ``emptyDir`` at ``/ckrun-state`` is a directory of its own
+  (``CKRUN_STATE_DIR`` pointed at it);
 * the kubelet's drain of one pod: SIGTERM to that pod's PID 1 from outside.
 
 Everything else is real: torchrun with the c10d rendezvous at ``<job>-0.<service>``,
@@ -40,6 +43,9 @@ from typing import Any
 import pytest
 from ckrun.scheduler.base import JobSpec
 from ckrun.scheduler.k8s import K8sScheduler, Options
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "storage"))
+from s3_server import MotoS3, moto_s3  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "tests" / "distributed" / "dist_train.py"
@@ -101,12 +107,12 @@ def _children(ppid: int) -> list[int]:
     return out
 
 
-def render(tmp: Path, run: str, train_args: list[str]) -> list[dict[str, Any]]:
+def render(tmp: Path, run: str, train_args: list[str], storage: str) -> list[dict[str, Any]]:
     """The documents ``ckrun submit --nnodes 2 --nproc-per-node 1`` would create."""
     spec = JobSpec(
         run=run,
         command=("python", str(TRAIN), *train_args),
-        storage="pvc:ckpt/runs",
+        storage=storage,
         nnodes=2,
         nproc_per_node=1,
         env={"OMP_NUM_THREADS": "1", "CKRUN_KILL_DELAY_S": "10", "CKRUN_MARGIN_S": "2"},
@@ -126,7 +132,14 @@ def render(tmp: Path, run: str, train_args: list[str]) -> list[dict[str, Any]]:
 class Pod:
     """One pod of the rendered Indexed Job: ``ckrun run`` as PID 1 of its namespaces."""
 
-    def __init__(self, tmp: Path, docs: list[dict[str, Any]], index: int, generation: int) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        docs: list[dict[str, Any]],
+        index: int,
+        generation: int,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         svc, job = docs
         name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
         pod = job["spec"]["template"]["spec"]
@@ -156,6 +169,9 @@ class Pod:
             CKRUN_K8S_FAILURE_COUNT="0",
             CKRUN_K8S_IGNORED_FAILURE_COUNT=str(generation),
         )
+        if "CKRUN_STATE_DIR" in env:  # the pod's own emptyDir
+            env["CKRUN_STATE_DIR"] = str(tmp / f"emptydir-{index}-gen{generation}")
+        env.update(extra_env or {})
         self.log = tmp / f"pod-{index}-gen{generation}.log"
         argv = [
             "unshare",
@@ -204,13 +220,50 @@ def pods() -> Iterator[list[Pod]]:
         pod.close()
 
 
-def _manifests(root: Path) -> list[dict[str, Any]]:
-    found = [*root.glob("checkpoints/step-*/manifest.json"), *root.glob("final/*/manifest.json")]
-    return sorted((json.loads(p.read_text()) for p in found), key=lambda m: m["step"])
+class Store:
+    """The run's storage as the test reads it: the PVC directory or the S3 bucket."""
+
+    def __init__(self, tmp: Path, kind: str, request: pytest.FixtureRequest) -> None:
+        self.kind, self.env = kind, {}
+        if kind == "pvc":
+            self.url, self.root = "pvc:ckpt/runs", tmp / "pvc" / "runs" / "grp"
+            return
+        moto: MotoS3 = request.getfixturevalue("moto_s3")
+        self.bucket, self.client = moto.new_bucket(), moto.client
+        self.url = f"s3://{self.bucket}/runs"
+        self.env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+
+    def read(self, key: str) -> bytes | None:
+        if self.kind == "pvc":
+            path = self.root / key
+            return path.read_bytes() if path.exists() else None
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=f"runs/grp/{key}")["Body"]
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return bytes(body.read())
+
+    def manifests(self) -> list[dict[str, Any]]:
+        if self.kind == "pvc":
+            keys = [str(p.relative_to(self.root)) for p in self.root.rglob("manifest.json")]
+        else:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix="runs/grp/"
+            )
+            keys = [
+                o["Key"].removeprefix("runs/grp/")
+                for page in pages
+                for o in page.get("Contents", [])
+                if o["Key"].endswith("/manifest.json")
+            ]
+        found = [json.loads(self.read(k) or b"{}") for k in keys]
+        return sorted(found, key=lambda m: m["step"])
 
 
-def _uninterrupted(tmp: Path) -> Any:
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The same training, 2 ranks, no supervisor, no notice: the reference result."""
+    tmp = tmp_path_factory.mktemp("plain")
     port, out = _free_port(), tmp / "plain.json"
     procs = []
     for rank in range(2):
@@ -238,10 +291,6 @@ def _uninterrupted(tmp: Path) -> Any:
     return json.loads(out.read_text())
 
 
-def saved_step(root: Path) -> int:
-    return int(_manifests(root)[-1]["step"])
-
-
 def _workers(init: int) -> dict[int, int]:
     """Global rank -> host pid of the torchrun workers under a pod's PID 1."""
     out, stack = {}, [init]
@@ -259,18 +308,23 @@ def _workers(init: int) -> dict[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("storage", ["pvc", pytest.param("s3", marks=pytest.mark.s3)])
 def test_one_pod_preempted_the_group_stops_at_one_step_and_resumes_exactly(
-    tmp_path: Path, pods: list[Pod]
+    tmp_path: Path,
+    pods: list[Pod],
+    storage: str,
+    request: pytest.FixtureRequest,
+    uninterrupted: Any,
 ) -> None:
     progress, cut = tmp_path / "progress", tmp_path / "cut.json"
     args = ["--steps", str(STEPS), "--step-s", "0.15", "--progress", str(progress)]
     args += ["--dump", str(cut)]
-    docs = render(tmp_path, "grp", args)
+    store = Store(tmp_path, storage, request)
+    docs = render(tmp_path, "grp", args, store.url)
     assert [d["kind"] for d in docs] == ["Service", "Job"]
-    root = tmp_path / "pvc" / "runs" / "grp"
 
     # generation 0: both indexes start; pod 1 is drained by its kubelet at step >= 4
-    gen0 = [Pod(tmp_path, docs, i, 0) for i in range(2)]
+    gen0 = [Pod(tmp_path, docs, i, 0, store.env) for i in range(2)]
     pods.extend(gen0)
     _poll(lambda: progress.exists() and int(progress.read_text() or 0) >= 4, 180, "step 4")
     ranks = {i: _workers(p.init) for i, p in enumerate(gen0)}
@@ -286,19 +340,20 @@ def test_one_pod_preempted_the_group_stops_at_one_step_and_resumes_exactly(
     assert "notice peer:agreed-step" in gen0[0].text(), gen0[0].text()[-3000:]
     ckrun0 = [x for x in gen0[0].text().splitlines() if x.startswith("[ckrun]")]
     assert not [x for x in ckrun0 if "failure" in x or "restarting" in x]  # judged as a drain
-    assert any(f"checkpoint step {saved_step(root)} committed" in x for x in ckrun0), ckrun0
-    (saved,) = _manifests(root)  # one collective commit: one step, both ranks' shards
+    assert any(f"checkpoint step {store.manifests()[-1]['step']} committed" in x for x in ckrun0)
+    (saved,) = store.manifests()  # one collective commit: one step, both ranks' shards
     assert saved["kind"] == "recovery" and saved["world_size"] == 2
     assert sorted(s["rank"] for s in saved["shards"]) == [0, 1]
     assert not any(_alive(pid) for w in ranks.values() for pid in w.values())  # none left
 
     # generation 1: the Job controller replaces every index (podFailurePolicy Ignore)
-    gen1 = [Pod(tmp_path, docs, i, 1) for i in range(2)]
+    gen1 = [Pod(tmp_path, docs, i, 1, store.env) for i in range(2)]
     pods.extend(gen1)
     assert [p.wait(180) for p in gen1] == [0, 0], "\n".join(p.text()[-3000:] for p in gen1)
     assert f"resuming from step {saved['step']}" in gen1[0].text(), gen1[0].text()[-3000:]
-    assert (root / "COMPLETE.json").exists()
-    # index 0 decides: only its supervisor's events are the run's; index 1 keeps its own
-    assert (root / "events.jsonl").exists() and (root / "events-rank1.jsonl").exists()
-    assert json.loads(cut.read_text()) == _uninterrupted(tmp_path)  # bitwise equal
+    assert store.read("COMPLETE.json") is not None
+    if storage == "pvc":  # one state dir on the claim: index 1 keeps its own event log
+        assert (store.root / "events.jsonl").exists()
+        assert (store.root / "events-rank1.jsonl").exists()
+    assert json.loads(cut.read_text()) == uninterrupted  # bitwise equal
     assert re.search(r"run completed", gen1[1].text()), gen1[1].text()[-2000:]
