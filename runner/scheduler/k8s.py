@@ -204,14 +204,20 @@ class K8sScheduler:
         or ``<job>-<suffix>``) and the service account's namespace file.
 
         Returns:
-            None outside Kubernetes.  ``attempt`` is the number of earlier pods of this
-            Job: ``job-index-failure-count + job-index-ignored-failure-count``, or
-            ``CKRUN_K8S_ATTEMPT`` when set; 0 when unknown.
+            None outside Kubernetes.  ``rank`` is ``JOB_COMPLETION_INDEX`` (the node
+            rank of a multi-node run; 0 decides the run).  ``attempt`` is the number of
+            earlier pods of this index: ``job-index-failure-count +
+            job-index-ignored-failure-count``, or ``CKRUN_K8S_ATTEMPT`` when set (a
+            JobSet's ``restart-attempt`` label); 0 when unknown.
         """
         return current_from_env(os.environ)
 
     def requeue(self, job: JobInfo) -> RequeueOutcome:
-        """Nothing to call: the Job controller starts a new pod once ckrun exits 75/76."""
+        """Nothing to call: the Job controller starts a new pod once ckrun exits 75/76.
+
+        The same on every index of a multi-node run: no pod's supervisor requeues
+        anything; every pod exits 75 and the Job (JobSet) controller replaces each
+        (:mod:`ckrun.scheduler.k8s_group`)."""
         return RequeueOutcome.REQUEUED
 
     def notice_sources(self, job: JobInfo | None) -> list[NoticeSource]:
