@@ -323,24 +323,27 @@ def test_one_pod_preempted_the_group_stops_at_one_step_and_resumes_exactly(
     docs = render(tmp_path, "grp", args, store.url)
     assert [d["kind"] for d in docs] == ["Service", "Job"]
 
-    # generation 0: both indexes start; pod 1 is drained by its kubelet at step >= 4
+    # generation 0: both indexes start; one pod is drained by its kubelet at step >= 4
     gen0 = [Pod(tmp_path, docs, i, 0, store.env) for i in range(2)]
     pods.extend(gen0)
     _poll(lambda: progress.exists() and int(progress.read_text() or 0) >= 4, 180, "step 4")
     ranks = {i: _workers(p.init) for i, p in enumerate(gen0)}
     # node rank = JOB_COMPLETION_INDEX: global rank 0 (commits, finalizes) runs in pod 0
     assert {i: sorted(w) for i, w in ranks.items()} == {0: [0], 1: [1]}
+    # the drained pod: index 1 on the PVC, index 0 (the rendezvous host) on S3
+    victim = 1 if storage == "pvc" else 0
+    drained, peer = gen0[victim], gen0[1 - victim]
     t0 = time.monotonic()
-    os.kill(gen0[1].init, signal.SIGTERM)  # DisruptionTarget: the kubelet's SIGTERM to PID 1
+    os.kill(drained.init, signal.SIGTERM)  # DisruptionTarget: the kubelet's SIGTERM to PID 1
     codes = [p.wait(GRACE_S) for p in gen0]
     assert codes == [75, 75], "\n".join(p.text()[-3000:] for p in gen0)
     assert time.monotonic() - t0 < GRACE_S
-    # the preempted pod drained on its own SIGTERM; pod 0 on the peer notice of its rank
-    assert "notice signal:SIGTERM" in gen0[1].text(), gen0[1].text()[-3000:]
-    assert "notice peer:agreed-step" in gen0[0].text(), gen0[0].text()[-3000:]
-    ckrun0 = [x for x in gen0[0].text().splitlines() if x.startswith("[ckrun]")]
-    assert not [x for x in ckrun0 if "failure" in x or "restarting" in x]  # judged as a drain
-    assert any(f"checkpoint step {store.manifests()[-1]['step']} committed" in x for x in ckrun0)
+    # the drained pod drained on its own SIGTERM; the other on the peer notice of its rank
+    assert "notice signal:SIGTERM" in drained.text(), drained.text()[-3000:]
+    assert "notice peer:agreed-step" in peer.text(), peer.text()[-3000:]
+    lines = [x for x in peer.text().splitlines() if x.startswith("[ckrun]")]
+    assert not [x for x in lines if "failure" in x or "restarting" in x]  # judged as a drain
+    assert any(f"checkpoint step {store.manifests()[-1]['step']} committed" in x for x in lines)
     (saved,) = store.manifests()  # one collective commit: one step, both ranks' shards
     assert saved["kind"] == "recovery" and saved["world_size"] == 2
     assert sorted(s["rank"] for s in saved["shards"]) == [0, 1]
