@@ -36,7 +36,9 @@ Kubernetes (one pod per node; :mod:`ckrun.scheduler.k8s_group` renders the env):
 rendezvous (torch ``--rdzv-backend c10d``) at ``CKRUN_RDZV_ENDPOINT``, index 0's stable
 name ``<prefix>-0.<service>:PORT``; index 0's torchrun hosts the store (``is_host`` set
 explicitly, not guessed from host names), the others join, all wait up to
-``CKRUN_RDZV_TIMEOUT_S`` (``join_timeout``) for the slowest pod.  c10d ignores
+``CKRUN_RDZV_TIMEOUT_S`` for the slowest pod: ``join_timeout``, and ``read_timeout``,
+which is also how long a node keeps trying to reach the store of an index 0 that starts
+(or resolves in DNS) later than it -- torch's default is 60 s.  c10d ignores
 ``--node-rank``: it numbers nodes by their sorted address (torch
 ``dynamic_rendezvous``: ``sorted(participants)``), so each pod passes its own stable name
 ``<prefix>-<index>.<service>`` as ``--local-addr``.  Node rank then equals
@@ -160,7 +162,9 @@ def c10d_args(nnodes: int, node_rank: int, env: Mapping[str, str]) -> list[str]:
     if timeout:
         if not timeout.isdigit():
             raise ConfigError(f"CKRUN_RDZV_TIMEOUT_S={timeout!r} is not a number of seconds")
-        conf.append(f"join_timeout={timeout}")
+        # join_timeout: waiting for the last node; read_timeout: the store client's
+        # connect timeout too (torch's default 60 s), for an index 0 that starts later
+        conf += [f"join_timeout={timeout}", f"read_timeout={timeout}"]
     return [
         "--rdzv-backend",
         "c10d",

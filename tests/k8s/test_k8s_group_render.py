@@ -189,7 +189,8 @@ def test_each_pod_rendezvous_at_index_0_with_its_own_name(kind: str) -> None:
         assert flags["--rdzv-backend"] == "c10d"
         assert flags["--rdzv-endpoint"] == f"{prefix}-0.{name}:29500"
         assert flags["--local-addr"] == f"{prefix}-{index}.{name}"
-        assert flags["--rdzv-conf"] == f"is_host={str(index == 0).lower()},join_timeout=900"
+        conf = f"is_host={str(index == 0).lower()},join_timeout=900,read_timeout=900"
+        assert flags["--rdzv-conf"] == conf
     addrs = [f"{prefix}-{i}.{name}" for i in range(12)]
     assert sorted(addrs)[0] == addrs[0]  # index 0 is node rank 0 for any N
 
