@@ -259,10 +259,12 @@ class Supervisor:
             self._queue.append(self._notice_event(n, now, cancel=True))
 
     def _peer_notice(self, now: float) -> None:
+        """Drain on a peer notice.  Not ``self_term``: this machine stays; the scheduler
+        decides (Kubernetes, Slurm: requeued, exit 75; the local backend restarts here)."""
         body = control.take_peer_notice(self.rundir.control_dir)
         if body is not None:
             n = Notice.with_lead(PREEMPTION, "peer:agreed-step", self.cfg.grace_s, body)
-            self._queue.append(self._notice_event(n, now, self_term=True))
+            self._queue.append(self._notice_event(n, now))
 
     def _reap(self, now: float) -> None:
         reaped = process.reap()

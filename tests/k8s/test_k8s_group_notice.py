@@ -112,3 +112,26 @@ def test_only_ranks_told_by_the_all_reduce_leave_a_peer_notice(tmp_path: Path) -
     assert outs == ["0 [True, True]\n", "1 [True, True]\n"]
     assert (dirs[0] / "peer-notice.json").exists()  # rank 0 learnt it from rank 1
     assert not (dirs[1] / "peer-notice.json").exists()  # rank 1 had its own notice
+
+
+def test_a_peer_notice_on_one_machine_restarts_there(tmp_path: Path) -> None:
+    """Local backend (one machine, several ranks; one rank got a signal of its own): the
+    peer notice drains, and the machine is not going away, so the run restarts here."""
+    child = textwrap.dedent(
+        """
+        import os, sys
+        from ckrun import control
+        if os.environ["CKRUN_ATTEMPT"] == "0":
+            control.write_peer_notice()
+            sys.exit(1)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKRUN_", "SLURM_"))}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    env.update(CKRUN_BACKOFF_S="0.1", CKRUN_KILL_DELAY_S="1", CKRUN_MARGIN_S="0.5")
+    cmd = [sys.executable, "-m", "ckrun.cli", "run", "--run", "one", "--storage", str(tmp_path)]
+    cmd += ["--", sys.executable, "-c", child]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "notice peer:agreed-step" in out and "restarting here" in out, out

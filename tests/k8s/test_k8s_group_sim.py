@@ -262,32 +262,24 @@ class Store:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The same training, 2 ranks, no supervisor, no notice: the reference result."""
+    """The same training, 2 ranks, no supervisor, no notice: the reference result
+    (``torchrun --standalone``: torch picks its own free port, no race for one)."""
     tmp = tmp_path_factory.mktemp("plain")
-    port, out = _free_port(), tmp / "plain.json"
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CKRUN_")}
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            CKRUN_STORAGE=str(tmp / "plain"),
-            CKRUN_RUN="plain",
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(TRAIN), "--steps", str(STEPS), "--dump", str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    for p in procs:
-        assert p.wait(timeout=180) == 0, p.communicate()[0][-3000:]
+    out = tmp / "plain.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKRUN_")}
+    env.update(CKRUN_STORAGE=str(tmp / "plain"), CKRUN_RUN="plain", OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    argv += ["--nproc-per-node", "2", str(TRAIN), "--steps", str(STEPS), "--dump", str(out)]
+    p = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        text = p.communicate(timeout=300)[0].decode(errors="replace")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, text[-3000:]
     return json.loads(out.read_text())
 
 
