@@ -40,3 +40,15 @@ def test_logs_follow_a_slurm_job_to_its_end(cluster, tmp_path: Path, cancel_jobs
     assert r.returncode == 0, r.stderr
     assert "hello-from-the-job" in r.stdout and "[ckrun] lg" in r.stdout, r.stdout
     assert "run completed" in r.stdout, r.stdout
+    # the timeline page carries Slurm's own record of the job
+    page = tmp_path / "lg.html"
+    r = subprocess.run(
+        [CKRUN, "status", "lg", "--storage", str(runs), "--html", str(page), "--json"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    view = json.loads(r.stdout)["scheduler"]
+    assert view["backend"] == "slurm" and view["job_id"] == str(job["job_id"]), view
+    text = page.read_text()
+    assert f"<th>job_id</th><td>{job['job_id']}</td>" in text
+    assert "state" in view and f"<th>state</th><td>{view['state']}</td>" in text, view
