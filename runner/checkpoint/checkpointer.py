@@ -25,8 +25,15 @@ import torch
 from ckrun.checkpoint import collective as distributed
 from ckrun.checkpoint import layout, retention
 from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint import signature as sig
 from ckrun.checkpoint.commit import commit_manifest
-from ckrun.checkpoint.compat import compare, git_state, normalize, parse_allow_change
+from ckrun.checkpoint.compat import (
+    DEFAULT_POLICY,
+    compare,
+    git_state,
+    normalize,
+    parse_allow_change,
+)
 from ckrun.checkpoint.discovery import completion, scan
 from ckrun.checkpoint.env import env_int, install_excepthook
 from ckrun.checkpoint.lock import WriterLock
@@ -158,6 +165,7 @@ class Checkpointer:
         self.skipped: list[str] = []
         self._user_compat = normalize(dict(compat or {}))
         self._state_compat: dict[str, Any] = {}
+        self._signature: dict[str, Any] | None = None  # of the state last saved/loaded
         self._drift: list[str] = []
         self._verified: set[str] = set()
         self._written: Manifest | None = None  # the last manifest this process committed
@@ -217,6 +225,7 @@ class Checkpointer:
                 "scheduler": _class_names(state, torch.optim.lr_scheduler.LRScheduler),
             }
             self._state_compat = {k: v for k, v in auto.items() if v is not None}
+            self._signature = sig.of_state(state)
         from ckrun import __version__
 
         block: dict[str, Any] = {
@@ -235,12 +244,28 @@ class Checkpointer:
         """Raise IncompatibleCheckpoint on refusing differences; returns the drift."""
         allow = self.allow_change + distributed.allowed_changes(m, self.world_size)
         cmp = compare(current, m.compat, allow_change=allow, policy=self.policy)
+        shapes, modules = sig.compare(
+            self._signature,
+            m.signature,
+            allow_change=allow,
+            policy=DEFAULT_POLICY if self.policy is None else self.policy,
+        )
+        cmp.refuse += shapes.refuse
+        cmp.warn += shapes.warn
+        cmp.allowed += shapes.allowed
         if cmp.refuse:
+            what = (
+                f"does not fit the parameters of {', '.join(map(repr, modules))}"
+                if modules
+                else "belongs to a different experiment"
+            )
             raise IncompatibleCheckpoint(
-                f"checkpoint step {m.step} in {self.storage.url} belongs to a different "
-                "experiment:\n  " + "\n  ".join(cmp.refuse) + "\nrestore the original "
+                f"checkpoint step {m.step} in {self.storage.url} {what}:\n  "
+                + "\n  ".join(cmp.refuse)
+                + "\nrestore the original "
                 "settings, allow the change (allow_change=(FIELD,) or --allow-change FIELD) "
-                "or start a new run directory",
+                "or start a new run directory (a parameter's name, shape or dtype: "
+                "allow_change=('signature',) if the model change is intended)",
                 diff=cmp.refuse,
                 step=m.step,
             )
@@ -277,6 +302,8 @@ class Checkpointer:
                 log.error("%s; falling back to an older checkpoint", msg)
                 self.skipped.append(msg)
                 continue
+            where = f"checkpoint step {m.step}"
+            sig.remap_tree(tree, m.signature, state, self._signature, where=where)
             if m.world_size != self.world_size:
                 distributed.restore_resharded(
                     state, tree, m, rank=self.rank, world_size=self.world_size, seed=self.seed
@@ -487,6 +514,7 @@ class Checkpointer:
                 "python": platform.python_version(),
             },
             compat_drift=tuple(self._drift),
+            signature=self._signature,
             key=mkey,
         )
 
