@@ -34,7 +34,7 @@ from ckrun.checkpoint.compat import (
     normalize,
     parse_allow_change,
 )
-from ckrun.checkpoint.discovery import completion, scan
+from ckrun.checkpoint.discovery import committed_final, completion, scan
 from ckrun.checkpoint.env import env_int, install_excepthook
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ShardInfo, utc_now
@@ -389,12 +389,31 @@ class Checkpointer:
     def finalize(
         self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
     ) -> Manifest:
-        """Write the final artifact (``final/``) and then ``COMPLETE.json``.
+        """Write the final artifact (``final/``) and then ``COMPLETE.json``; idempotent.
+
+        Finalizing a step again returns its final manifest: when the marker already names
+        ``step``, nothing is written; when the final artifact of ``step`` is committed
+        but the marker is missing (the process ended between the two), the marker is
+        written from that artifact and the state is not saved again.  So a run resumed
+        from its own final artifact completes instead of colliding with it
+        (``StepAlreadyCommitted``).
 
         Raises:
-            RunComplete: already finalized.  Storage errors as :meth:`save`.
+            RunComplete: finalized at another step.  Storage errors as :meth:`save`.
         """
-        m = self._save(step, state, "final", metrics)
+        marker, _ = completion(self.storage)
+        if marker is not None and marker.final_step == step:
+            self._complete = True
+            return Manifest.loads(self.storage.get(marker.manifest_key), key=marker.manifest_key)
+        existing = committed_final(self.storage, step) if marker is None else None
+        reuse, _ = self.group.all_ok(existing is not None)  # every rank decides alike
+        if reuse and existing is not None:
+            if self._async is not None:
+                self._async.drain()
+            log.info("final artifact of step %d is already committed: writing its marker", step)
+            m = existing
+        else:
+            m = self._save(step, state, "final", metrics)
         if self.rank == 0:
             self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
         self._complete = True
