@@ -151,6 +151,8 @@ class Checkpointer:
                 f"(got {keep_last}, {milestone_every})"
             )
         self.storage: Storage = open_storage(storage) if isinstance(storage, str) else storage
+        _refuse_conflict("run", run, "CKRUN_RUN")
+        _refuse_conflict("attempt", attempt, "CKRUN_ATTEMPT")
         self.run = run or os.environ.get("CKRUN_RUN") or _basename(self.storage.url)
         self.attempt = attempt if attempt is not None else env_int("CKRUN_ATTEMPT", 0)
         self.keep_last, self.milestone_every = keep_last, milestone_every
@@ -176,26 +178,49 @@ class Checkpointer:
         self._async: AsyncSaver | None = None  # issue 7: background persist
         self._auto: AutoInterval | None = None
         self._lock = (
-            WriterLock(self.storage, run=self.run, attempt=self.attempt)
+            WriterLock(self.storage, run=self.run, attempt=self.attempt, owner=_created_at())
             if lock and self.rank == 0
             else None
         )
 
     @classmethod
-    def from_env(cls, compat: Mapping[str, Any] | None = None, **kw: Any) -> Checkpointer:
+    def from_env(
+        cls,
+        compat: Mapping[str, Any] | None = None,
+        *,
+        default_storage: str | Storage | None = None,
+        **kw: Any,
+    ) -> Checkpointer:
         """A Checkpointer configured by the supervisor's ``CKRUN_*`` environment.
 
         Also installs the notice signal handlers and an excepthook that makes an
         uncaught :class:`ckrun.errors.CkrunError` exit with its ``exit_code``.
 
+        Explicit beats ambient, and a conflict is refused: an argument (``storage=``,
+        ``run=``, ``attempt=``, ``resume_step=``) that differs from the ``CKRUN_*``
+        variable set for it raises :class:`ConfigError` naming both values; an argument
+        equal to it, or given where the variable is unset, is used.  For a fallback used
+        only outside the supervisor pass ``default_storage=`` (the supervisor's
+        ``CKRUN_STORAGE`` then wins without a conflict).  ``allow_change=`` adds to
+        ``CKRUN_ALLOW_CHANGE`` (both are allowances).  Keyword arguments of
+        :class:`Checkpointer` are passed through.
+
         Raises:
-            ConfigError: neither ``CKRUN_STORAGE`` nor ``storage=`` names the storage,
+            ConfigError: neither ``CKRUN_STORAGE``, ``storage=`` nor ``default_storage=``
+                names the storage, an argument conflicts with its ``CKRUN_*`` variable,
                 or a ``CKRUN_*`` integer is malformed.
         """
         from ckrun.control import install_signal_handlers
 
-        url = os.environ.get("CKRUN_STORAGE") or kw.pop("storage", None)
-        kw.pop("storage", None)
+        explicit = kw.pop("storage", None)
+        env_url = os.environ.get("CKRUN_STORAGE") or None
+        if explicit is not None and env_url and not _same_storage(explicit, env_url):
+            raise ConfigError(
+                f"storage={_url_of(explicit)!r} conflicts with CKRUN_STORAGE={env_url!r} "
+                "set by the supervisor: drop the argument, or pass it as "
+                "default_storage= (used only when CKRUN_STORAGE is unset)"
+            )
+        url = explicit or env_url or default_storage
         if not url:
             raise ConfigError(
                 "CKRUN_STORAGE is not set: run the script under `ckrun run`, "
@@ -208,6 +233,7 @@ class Checkpointer:
             os.environ.get("CKRUN_ALLOW_CHANGE")
         )
         if os.environ.get("CKRUN_RESUME_STEP"):
+            _refuse_conflict("resume_step", kw.get("resume_step"), "CKRUN_RESUME_STEP")
             kw.setdefault("resume_step", env_int("CKRUN_RESUME_STEP", -1))
         kw.setdefault("run", os.environ.get("CKRUN_RUN") or None)
         ckpt = cls(url, block, allow_change=allow, **kw)
@@ -647,6 +673,42 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refuse_conflict(name: str, value: Any, var: str) -> None:
+    """Raise ConfigError when ``value`` is given and differs from the set ``var``."""
+    text = os.environ.get(var, "").strip()
+    if value is None or not text or str(value) == text:
+        return
+    raise ConfigError(
+        f"{name}={value!r} conflicts with {var}={text!r} from the environment: "
+        f"drop the argument to use the supervisor's value, or unset {var}"
+    )
+
+
+def _url_of(storage: str | Storage) -> str:
+    return storage if isinstance(storage, str) else storage.url
+
+
+def _same_storage(a: str | Storage, b: str) -> bool:
+    """Whether two storage names denote one root (local paths compared absolute)."""
+
+    def norm(u: str) -> str:
+        u = u.removeprefix("file://")
+        return u.rstrip("/") if "://" in u else os.path.realpath(u)
+
+    return norm(_url_of(a)) == norm(b)
+
+
+def _created_at() -> str:
+    """``Checkpointer created at FILE:LINE`` of the user's frame that built it."""
+    import traceback
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for fr in reversed(traceback.extract_stack()[:-1]):
+        if not os.path.abspath(fr.filename).startswith(here):
+            return f"the Checkpointer created at {fr.filename}:{fr.lineno}"
+    return "another Checkpointer"
 
 
 def _basename(url: str) -> str:
