@@ -7,6 +7,7 @@ The public API (users' training scripts rely on these names)::
     ckpt = ckrun.Checkpointer.from_env(compat={...})      # under the supervisor
     manifest = ckpt.load(state)                            # None when nothing to resume
     ckpt.save(step, state); ckpt.finalize(step, state)
+    ckrun.load_weights("runs/demo", model)                 # read-only, for evaluation
     handle = ckpt.async_save(step, state)   # returns after the host snapshot; ckpt.wait()
     ckpt = ckrun.Checkpointer(..., checkpoint_every="auto"); ckpt.should_save(step)
     if ckrun.preemption_requested(sync=True): ...   # sync: all ranks agree (MAX)
@@ -42,6 +43,8 @@ _LAZY = {
     "Manifest": "ckrun.checkpoint.manifest",
     "ResumableSampler": "ckrun.checkpoint.sampler",
     "SaveHandle": "ckrun.checkpoint.checkpointer",
+    "ResumableDataLoader": "ckrun.checkpoint.sampler",
+    "load_weights": "ckrun.checkpoint.weights",
     "open_storage": "ckrun.storage",
 }
 
@@ -54,6 +57,7 @@ __all__ = [
     "IncompatibleCheckpoint",
     "Manifest",
     "Notice",
+    "ResumableDataLoader",
     "ResumableSampler",
     "RunComplete",
     "RunLocked",
@@ -61,6 +65,7 @@ __all__ = [
     "StorageError",
     "StorageFull",
     "install_signal_handlers",
+    "load_weights",
     "open_storage",
     "preemption_requested",
 ]
