@@ -45,6 +45,7 @@ from ckrun.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpoint,
+    CorruptObject,
     IncompatibleCheckpoint,
     ObjectNotFound,
     RunComplete,
@@ -360,9 +361,12 @@ class Checkpointer:
                 key=s.key,
                 step=m.step,
             )
-        with self.storage.open_read(s.key) as f:
-            _advise_sequential(f)
-            return fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+        try:
+            with self.storage.open_read(s.key) as f:
+                _advise_sequential(f)
+                return fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+        except CorruptObject as e:  # the store's checksum/length check: the shard is bad
+            raise CorruptCheckpoint(f"{s.key}: {e}", key=s.key, step=m.step) from e
 
     def latest(self) -> Manifest | None:
         """The newest committed, verified (re-hashed unless this process wrote or loaded

@@ -17,7 +17,13 @@ from typing import Any
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.discovery import scan
 from ckrun.checkpoint.manifest import Manifest
-from ckrun.errors import CheckpointError, CorruptCheckpoint, ObjectNotFound, UsageError
+from ckrun.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    CorruptObject,
+    ObjectNotFound,
+    UsageError,
+)
 from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -61,8 +67,11 @@ def read_tree(storage: Storage, m: Manifest, rank: int = 0) -> dict[str, Any]:
         raise CorruptCheckpoint(
             f"{s.key}: {got}, manifest says {s.size_bytes} bytes", key=s.key, step=m.step
         )
-    with storage.open_read(s.key) as f:
-        tree = fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+    try:
+        with storage.open_read(s.key) as f:
+            tree = fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+    except CorruptObject as e:
+        raise CorruptCheckpoint(f"{s.key}: {e}", key=s.key, step=m.step) from e
     if not isinstance(tree, dict) or not isinstance(tree.get("user"), dict):
         raise CorruptCheckpoint(f"{s.key}: not a ckrun run state", key=s.key, step=m.step)
     return tree

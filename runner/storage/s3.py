@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
@@ -31,15 +32,16 @@ from typing import IO, Any
 
 from ckrun.errors import (
     ConfigError,
+    CorruptObject,
     ObjectNotFound,
     StorageError,
     map_os_error,
 )
 from ckrun.storage.base import ObjectInfo, validate_key
 from ckrun.storage.progress import Progress
+from ckrun.storage.s3_read import ResumableReader, download_file, file_crc32c
 from ckrun.storage.s3_transfer import (
     CRC_META,
-    CheckedReader,
     RateLimiter,
     S3Writer,
     make_client,
@@ -61,7 +63,8 @@ class S3Options:
         s3_max_attempts: total attempts per request, first included.
         s3_multipart_threshold_bytes: objects larger than this use multipart uploads.
         s3_multipart_chunk_bytes: part size (S3's minimum: 5 MiB; at most 10 000 parts).
-        s3_max_concurrency: parts (and ranged GETs) in flight per object.
+        s3_max_concurrency: parts in flight per object upload, and ranged GETs in flight
+            per ``get_file`` download (s3transfer).
         s3_bandwidth_bytes_per_s: cap on upload + download bytes/s (0: no cap).
         s3_timeout_s: connect and read timeout per request, seconds.
     """
@@ -244,12 +247,36 @@ class S3Storage:
         return int.from_bytes(base64.b64decode(value), "big")
 
     def open_read(self, key: str) -> IO[bytes]:
-        """Stream ``key``; the CRC32C is checked when the end is read."""
+        """Stream ``key``: a dropped connection resumes with a ranged GET of the same
+        ETag; the CRC32C is checked when the end is read (:mod:`.s3_read`).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+            CorruptObject: (while reading) the bytes do not match the object's CRC32C.
+            StorageError: (while reading) the stream kept failing after
+                ``s3_max_attempts`` resumed reads.
+        """
         import io
 
         resp = self.call("get_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
-        raw = CheckedReader(resp["Body"], key, self._expected_crc(resp))
+        raw = ResumableReader(
+            self._client,
+            self.bucket,
+            self.object_key(key),
+            key,
+            resp,
+            self._expected_crc(resp),
+            self.options.s3_max_attempts,
+            lambda e: map_s3_error(
+                e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
+            ),
+        )
         return io.BufferedReader(raw, buffer_size=1 * MiB)
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint URL the client talks to."""
+        return str(self._client.meta.endpoint_url)
 
     def get(self, key: str) -> bytes:
         """The whole object (CRC32C checked); ``ObjectNotFound`` if absent."""
@@ -267,23 +294,56 @@ class S3Storage:
                 ) from exc
 
     def get_file(self, key: str, path: str) -> None:
-        """Download ``key`` to ``path``: temp file, CRC32C check, fsync, atomic rename."""
+        """Download ``key`` to ``path``: temp file, CRC32C check, fsync, atomic rename.
+
+        s3transfer's downloader (:func:`ckrun.storage.s3_read.download_file`): ranged
+        GETs of ``s3_multipart_chunk_bytes``, ``s3_max_concurrency`` in flight, the ETag
+        pinned, dropped streams retried (``s3_max_attempts``).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+            CorruptObject: the downloaded bytes do not match the object's CRC32C.
+            StorageError: the download failed after its retries; ``path`` is untouched.
+        """
         d = os.path.dirname(os.path.abspath(path))
         tmp = os.path.join(d, f".ckrun-tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             os.makedirs(d, exist_ok=True)
-            info = self.head(key)
-            bar = Progress(f"download {key}", info.size_bytes if info else 0)
-            with self.open_read(key) as src, open(tmp, "wb") as dst, bar:
-                while True:
-                    buf = src.read(self.options.multipart_chunk_bytes)
-                    if not buf:
-                        break
-                    self.limiter.acquire(len(buf))
-                    dst.write(buf)
-                    bar.update(len(buf))
-                dst.flush()
-                os.fsync(dst.fileno())
+            head = self.call("head_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
+            expected = self._expected_crc(head)
+            bar_lock = threading.Lock()
+            with Progress(f"download {key}", int(head["ContentLength"])) as bar:
+
+                def progress(n: int) -> None:  # s3transfer calls it from its threads
+                    with bar_lock:
+                        bar.update(n)
+
+                try:
+                    download_file(
+                        self._client,
+                        self.bucket,
+                        self.object_key(key),
+                        tmp,
+                        chunk_bytes=self.options.multipart_chunk_bytes,
+                        max_concurrency=self.options.max_concurrency,
+                        max_attempts=self.options.s3_max_attempts,
+                        bandwidth_bytes_per_s=self.options.s3_bandwidth_bytes_per_s,
+                        callback=progress,
+                    )
+                except OSError:
+                    raise
+                except Exception as exc:
+                    raise map_s3_error(
+                        exc, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
+                    ) from exc
+            if expected is not None and file_crc32c(tmp) != expected:
+                raise CorruptObject(
+                    f"CRC32C mismatch downloading {self.url}/{key}: the stored object does "
+                    "not match its checksum (corrupt)",
+                    key=key,
+                )
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as exc:
             raise map_os_error(exc, path=path) from exc
