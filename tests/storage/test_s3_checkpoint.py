@@ -86,3 +86,68 @@ def test_get_file_download_is_concurrent_ranged_and_retried(
     assert (tmp_path / "out").read_bytes() == body
     assert fault_proxy.dropped == 1
     assert fault_proxy.forwarded >= 4  # head + 3 ranged GETs (+ the retried one)
+
+
+_RSS_CHILD = """
+import json, resource, sys, threading
+import ckrun, torch
+from ckrun.storage.s3 import S3Options, S3Storage
+
+MiB = 1 << 20
+url, endpoint, size_mib = sys.argv[1], sys.argv[2], int(sys.argv[3])
+opts = S3Options(
+    endpoint_url=endpoint,
+    s3_multipart_chunk_bytes=5 * MiB,
+    s3_multipart_threshold_bytes=5 * MiB,
+    s3_max_concurrency=2,
+)
+ck = ckrun.Checkpointer(S3Storage.from_url(url, opts), rng=False)
+ck.save(0, {"w": torch.ones(3 * MiB)})  # warm-up: client, pools, a multipart upload
+state = {"w": torch.ones(size_mib * MiB // 4)}  # one tensor, touched
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+now = rss()
+high = [now]
+done = threading.Event()
+
+
+def sample():  # the whole-tensor buffer of a bad writer lives for the whole upload
+    while not done.wait(0.001):
+        high[0] = max(high[0], rss())
+
+
+threading.Thread(target=sample, daemon=True).start()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+m = ck.save(1, state)
+done.set()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+exact = peak - now if peak > before else 0  # ru_maxrss: exact when the save set the peak
+print(json.dumps({"extra_bytes": max(high[0] - now, exact), "size": m.total_size_bytes}))
+"""
+
+
+@pytest.mark.slow
+def test_saving_a_large_tensor_to_s3_keeps_memory_bounded(moto_s3: MotoS3) -> None:
+    """Peak RSS above the state while one 96 MiB tensor streams to S3 in 5 MiB parts,
+    2 in flight: bounded by the writer's parts (~25 MiB), not the tensor (96 MiB).
+    The saver is a child process: moto (in this process) holds the uploaded bytes."""
+    import json
+    import subprocess
+    import sys
+
+    url = f"s3://{moto_s3.new_bucket()}/run"
+    r = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, url, moto_s3.endpoint, "96"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["size"] > 96 << 20
+    assert out["extra_bytes"] < 48 << 20, f"{out['extra_bytes'] >> 20} MiB above the state"
