@@ -38,7 +38,8 @@ state = {"w": torch.ones(size_mib * MiB // 4)}
 import ckrun, boto3
 from ckrun.storage.s3 import S3Options, S3Storage
 opts = S3Options(endpoint_url=endpoint, s3_multipart_chunk_bytes=part,
-                 s3_multipart_threshold_bytes=part, s3_max_concurrency=conc)
+                 s3_multipart_threshold_bytes=part, s3_max_concurrency=conc,
+                 s3_timeout_s=900.0)  # moto assembles a 2 GiB upload slowly
 st = S3Storage.from_url(url, opts)
 t = state["w"]
 n = t.numel() * 4

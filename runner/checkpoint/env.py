@@ -4,6 +4,15 @@
 process with that error's ``exit_code`` (``IncompatibleCheckpoint`` → 4, storage errors
 → 5, ...), so the supervisor and Kubernetes' ``podFailurePolicy`` can tell a refused
 resume from a bug in the user's code.
+
+The hook never cuts the process short (no ``os._exit``): it raises ``SystemExit(code)``,
+which CPython turns into a normal interpreter exit with that status when it comes out of
+``sys.excepthook`` (``Python/pythonrun.c``: ``handle_system_exit`` after the hook).
+The normal shutdown then drains ckrun's work before the process ends: the in-flight
+``async_save`` is committed (:func:`ckrun.checkpoint.async_save._drain_at_exit`) and the
+queued uploads of a tiered storage are finished (``TieredStorage._drain_at_exit``), each
+bounded by the deadline of a pending notice (past it the supervisor's KILL ends the
+process; the commit protocol leaves the previous checkpoint intact).
 """
 
 from __future__ import annotations
@@ -42,11 +51,14 @@ def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | Non
         if os.environ.get("CKRUN_TRACEBACK"):
             traceback.print_exception(tp, value, tb, file=sys.stderr)
         print(f"ckrun: {tp.__name__}: {value}", file=sys.stderr)
-        print(f"ckrun: exiting with status {code}", file=sys.stderr)
+        print(
+            f"ckrun: exiting with status {code} (in-flight saves and uploads finish first)",
+            file=sys.stderr,
+        )
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        os._exit(code)
+        raise SystemExit(code)  # a normal exit with this status (module docstring)
 
 
 def install_excepthook() -> None:
