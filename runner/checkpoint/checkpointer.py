@@ -8,7 +8,14 @@ reported and the next older one is tried.  See DESIGN.md §3.
 
 Environment read by :meth:`Checkpointer.from_env`: ``CKRUN_STORAGE``, ``CKRUN_RUN``,
 ``CKRUN_ATTEMPT``, ``CKRUN_CONFIG_HASH`` (compat field ``launch_hash``),
-``CKRUN_ALLOW_CHANGE`` (comma-separated), ``CKRUN_RESUME_STEP`` (a hint).
+``CKRUN_ALLOW_CHANGE`` (comma-separated), ``CKRUN_RESUME_STEP`` (a hint).  Explicit
+beats ambient and a conflict is refused: an argument that differs from its set
+``CKRUN_*`` variable raises ``ConfigError`` naming both (issue 13).
+
+The manifest records the state's model signature and optimizer parameter names
+(:mod:`ckrun.checkpoint.signature`): a load gates on it and re-keys optimizer state by
+parameter name.  ``finalize`` is idempotent and completes a run whose final artifact was
+committed without its marker.
 """
 
 from __future__ import annotations
@@ -115,7 +122,9 @@ class Checkpointer:
             :mod:`ckrun.checkpoint.interval`).
         mtbi_s: mean time between interruptions for ``"auto"``, seconds (default
             ``CKRUN_MTBI_S``, else the run's history).
-        lock: take ``locks/writer.lock`` on first load/save (rank 0 only).
+        lock: take ``locks/writer.lock`` on first load/save (rank 0 only); a second
+            Checkpointer of this process on the same run is then refused (``RunLocked``
+            naming where the first was created), on every storage.
         seed: base seed of the RNG reseed when resuming on another world size.
 
     Rank and world size come from ``torch.distributed`` (or ``RANK``/``WORLD_SIZE``);
@@ -123,7 +132,9 @@ class Checkpointer:
     :mod:`ckrun.checkpoint.collective`).
 
     Raises:
-        ConfigError: invalid ``keep_last``/``milestone_every`` or storage URL.
+        ConfigError: invalid ``keep_last``/``milestone_every`` or storage URL, or
+            ``run``/``attempt`` given and different from a set ``CKRUN_RUN``/
+            ``CKRUN_ATTEMPT``.
     """
 
     def __init__(
