@@ -24,7 +24,6 @@ from __future__ import annotations
 import builtins
 import os
 import secrets
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
@@ -32,14 +31,13 @@ from typing import IO, Any
 
 from ckrun.errors import (
     ConfigError,
-    CorruptObject,
     ObjectNotFound,
     StorageError,
     map_os_error,
 )
 from ckrun.storage.base import ObjectInfo, validate_key
 from ckrun.storage.progress import Progress
-from ckrun.storage.s3_read import ResumableReader, download_file, file_crc32c
+from ckrun.storage.s3_read import ResumableReader, download_verified
 from ckrun.storage.s3_transfer import (
     CRC_META,
     RateLimiter,
@@ -305,51 +303,23 @@ class S3Storage:
             CorruptObject: the downloaded bytes do not match the object's CRC32C.
             StorageError: the download failed after its retries; ``path`` is untouched.
         """
-        d = os.path.dirname(os.path.abspath(path))
-        tmp = os.path.join(d, f".ckrun-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        head = self.call("head_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
         try:
-            os.makedirs(d, exist_ok=True)
-            head = self.call("head_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
-            expected = self._expected_crc(head)
-            bar_lock = threading.Lock()
-            with Progress(f"download {key}", int(head["ContentLength"])) as bar:
-
-                def progress(n: int) -> None:  # s3transfer calls it from its threads
-                    with bar_lock:
-                        bar.update(n)
-
-                try:
-                    download_file(
-                        self._client,
-                        self.bucket,
-                        self.object_key(key),
-                        tmp,
-                        chunk_bytes=self.options.multipart_chunk_bytes,
-                        max_concurrency=self.options.max_concurrency,
-                        max_attempts=self.options.s3_max_attempts,
-                        bandwidth_bytes_per_s=self.options.s3_bandwidth_bytes_per_s,
-                        callback=progress,
-                    )
-                except OSError:
-                    raise
-                except Exception as exc:
-                    raise map_s3_error(
-                        exc, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
-                    ) from exc
-            if expected is not None and file_crc32c(tmp) != expected:
-                raise CorruptObject(
-                    f"CRC32C mismatch downloading {self.url}/{key}: the stored object does "
-                    "not match its checksum (corrupt)",
-                    key=key,
-                )
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            download_verified(
+                self._client,
+                self.bucket,
+                self.object_key(key),
+                path,
+                key=key,
+                size=int(head["ContentLength"]),
+                expected_crc=self._expected_crc(head),
+                options=self.options,
+                mapper=lambda e: map_s3_error(
+                    e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
+                ),
+            )
         except OSError as exc:
             raise map_os_error(exc, path=path) from exc
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     def crc32c(self, key: str) -> int | None:
         """The object's full CRC32C as S3 (or ckrun's metadata) records it; None if unknown.

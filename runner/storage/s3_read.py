@@ -24,6 +24,9 @@ is compared with the object's.
 from __future__ import annotations
 
 import io
+import os
+import secrets
+import threading
 import time
 from typing import Any
 
@@ -200,6 +203,69 @@ def download_file(
         use_threads=max_concurrency > 1,
     )
     client.download_file(bucket, obj_key, path, Config=cfg, Callback=callback)
+
+
+def download_verified(
+    client: Any,
+    bucket: str,
+    obj_key: str,
+    path: str,
+    *,
+    key: str,
+    size: int,
+    expected_crc: int | None,
+    options: Any,
+    mapper: Any,
+) -> None:
+    """:func:`download_file` into a temp file beside ``path``, CRC32C check, fsync, atomic
+    rename (``S3Storage.get_file``); ``options`` is the storage's ``S3Options``.
+
+    Raises:
+        CorruptObject: the downloaded bytes do not match ``expected_crc``.
+        StorageError: the download failed (``mapper`` maps botocore's error).
+        OSError: the local file system failed (the caller maps it).
+    """
+    from ckrun.storage.progress import Progress
+
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".ckrun-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    lock = threading.Lock()
+    try:
+        os.makedirs(d, exist_ok=True)
+        with Progress(f"download {key}", size) as bar:
+
+            def progress(n: int) -> None:  # s3transfer calls it from its threads
+                with lock:
+                    bar.update(n)
+
+            try:
+                download_file(
+                    client,
+                    bucket,
+                    obj_key,
+                    tmp,
+                    chunk_bytes=options.multipart_chunk_bytes,
+                    max_concurrency=options.max_concurrency,
+                    max_attempts=options.s3_max_attempts,
+                    bandwidth_bytes_per_s=options.s3_bandwidth_bytes_per_s,
+                    callback=progress,
+                )
+            except OSError:
+                raise
+            except Exception as exc:
+                raise mapper(exc) from exc
+        if expected_crc is not None and file_crc32c(tmp) != expected_crc:
+            raise CorruptObject(
+                f"CRC32C mismatch downloading {key}: the stored object does not match its "
+                "checksum (corrupt)",
+                key=key,
+            )
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def file_crc32c(path: str, chunk: int = 16 << 20) -> int:
