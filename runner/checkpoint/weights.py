@@ -14,9 +14,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.discovery import scan
 from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.shard_reader import read_shard
 from ckrun.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -69,7 +69,7 @@ def read_tree(storage: Storage, m: Manifest, rank: int = 0) -> dict[str, Any]:
         )
     try:
         with storage.open_read(s.key) as f:
-            tree = fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+            tree = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
     except CorruptObject as e:
         raise CorruptCheckpoint(f"{s.key}: {e}", key=s.key, step=m.step) from e
     if not isinstance(tree, dict) or not isinstance(tree.get("user"), dict):
