@@ -114,3 +114,20 @@ def test_ls_says_committed_unless_verified(run_dir: Path) -> None:
     assert rows and all(ln.rstrip().endswith("verified") for ln in rows)
     r = CliRunner().invoke(verify, [str(run_dir)])
     assert r.exit_code == 0 and ": verified" in r.output and ": ok" not in r.output
+
+
+def test_verification_results_are_typed(run_dir: Path) -> None:
+    from ckrun.checkpoint import discovery
+    from ckrun.checkpoint.verify import Problem, verify_shards
+
+    with ckrun.Checkpointer(str(run_dir), keep_last=5, rng=False) as ck:
+        ms = [ck.save(s, {"w": torch.arange(4000.0) * s}) for s in (1, 2, 3)]
+    st = ckrun.open_storage(str(run_dir))
+    (run_dir / ms[0].shards[0].key).unlink()
+    os_path = run_dir / ms[1].shards[0].key
+    data = bytearray(os_path.read_bytes())
+    data[-7] ^= 1
+    os_path.write_bytes(bytes(data))
+    (run_dir / ms[2].shards[0].key).write_bytes(b"short")
+    kinds = {m.step: [p.kind for p in verify_shards(st, m)] for m in discovery.committed(st)}
+    assert kinds == {1: [Problem.MISSING], 2: [Problem.CHECKSUM], 3: [Problem.SIZE]}

@@ -49,6 +49,10 @@ def test_bit_flip_in_an_s3_shard_falls_back(moto_s3: MotoS3) -> None:
     assert m is not None and m.step == 1
     assert torch.equal(state["w"], _state(1)["w"])
     assert any("step 2" in s and "CRC32C mismatch" in s for s in ck.skipped), ck.skipped
+    from ckrun.checkpoint.verify import Problem, verify_shards
+
+    problems = verify_shards(st, m2)  # typed: what `ckrun verify` and the commit act on
+    assert [(p.kind, p.conclusive) for p in problems] == [(Problem.CHECKSUM, True)]
 
 
 def test_connection_dropped_mid_read_is_resumed(moto_s3: MotoS3, fault_proxy: FaultProxy) -> None:
