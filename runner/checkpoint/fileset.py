@@ -35,7 +35,7 @@ import numpy as np
 from ckrun.checkpoint import layout, retention
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.discovery import scan
-from ckrun.checkpoint.manifest import Manifest, ShardInfo, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.verify import verify_manifest
 from ckrun.errors import CheckpointError, CorruptCheckpoint, StorageError
@@ -139,7 +139,7 @@ def commit_files(
     m = Manifest(
         run=run,
         step=step,
-        kind=kind,
+        kind=ManifestKind(kind),
         attempt=attempt,
         world_size=1,
         shards=(ShardInfo(key, 0, size, checksum),),

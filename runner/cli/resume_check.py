@@ -26,6 +26,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,6 +218,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     """
     from ckrun.checkpoint import discovery, fileset
     from ckrun.checkpoint.env import open_storage_from_env
+    from ckrun.checkpoint.manifest import ManifestKind
     from ckrun.checkpoint.shard_reader import read_shard
     from ckrun.cli.resume_artifacts import file_set_tree
 
@@ -230,7 +232,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
             "callback of ckrun.integrations) or, for a script that keeps its own "
             "checkpoint file, --checkpoint-path FILE (see the README)"
         )
-    finals = [m for m in ms if m.kind == "final"]
+    finals = [m for m in ms if m.kind == ManifestKind.FINAL]
     if not finals:
         raise CheckpointError(
             f"{run_root} has no final checkpoint: the run did not complete "
@@ -268,7 +270,10 @@ def _supervise(
     log_path: str,
     timeout_s: float,
     own: Sequence[str] = (),
+    progress: Any = None,
 ) -> int:
+    """Run ``ckrun run`` for ``run`` under ``storage``, output to ``log_path``; returns
+    its exit status; ``progress`` as in :func:`_wait_reporting`."""
     argv = [
         sys.executable,
         "-m",
@@ -284,15 +289,71 @@ def _supervise(
     ]
     env = {"CKRUN_MAX_REQUEUES": "1000", "CKRUN_STEP_DIGEST": "1", **env}
     with open(log_path, "w") as log:
-        p = subprocess.run(
-            argv,
-            env={**os.environ, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=timeout_s,
-            check=False,
-        )
-    return p.returncode
+        p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_reporting(p, os.path.join(storage, run), timeout_s, progress)
+        except BaseException:
+            p.kill()
+            p.wait()
+            raise
+    return int(p.returncode)
+
+
+#: Seconds between two progress lines of a run (a line also comes with every change of
+#: the newest saved step once this much time has passed).
+PROGRESS_EVERY_S = 5.0
+
+
+def run_progress(run_root: str) -> tuple[int | None, int, int]:
+    """(newest step saved, preemptions, attempts) of a run so far, from its event log."""
+    from ckrun.runlog import read_events
+
+    evs = read_events(os.path.join(run_root, "events.jsonl"))
+    saved = [int(e["step"]) for e in evs if e.get("kind") == "save" and "step" in e]
+    return (
+        max(saved) if saved else None,
+        sum(1 for e in evs if e.get("kind") == "preempted"),
+        sum(1 for e in evs if e.get("kind") == "spawn"),
+    )
+
+
+def _wait_reporting(
+    p: subprocess.Popen[bytes], run_root: str, timeout_s: float, progress: Any
+) -> None:
+    """Wait for ``p`` (``subprocess.TimeoutExpired`` after ``timeout_s``), calling
+    ``progress(elapsed_s, step, preemptions, attempts)`` about every
+    :data:`PROGRESS_EVERY_S` seconds while it runs."""
+    t0 = time.monotonic()
+    last = t0
+    while True:
+        try:
+            p.wait(timeout=0.25)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            raise subprocess.TimeoutExpired(p.args, timeout_s)
+        if progress is not None and now - last >= PROGRESS_EVERY_S:
+            last = now
+            progress(now - t0, *run_progress(run_root))
+
+
+def remove_runs(workdir: str, created: bool) -> None:
+    """After a PASS: remove what check-resume wrote (both runs and their logs), and the
+    work directory itself when check-resume created it; a directory the user named is
+    kept (only its two runs and logs go)."""
+    import shutil
+
+    if created:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    for name in (UNINTERRUPTED, INTERRUPTED):
+        shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+        try:
+            os.unlink(os.path.join(workdir, f"{name}.log"))
+        except FileNotFoundError:
+            pass
 
 
 def _preemptions(run_root: str) -> int:
@@ -341,11 +402,26 @@ def check_resume(
                 f"{path} exists: check-resume runs the command twice from scratch and "
                 "removes the own-checkpoint files the first run wrote; move it away first"
             )
-    workdir = workdir or tempfile.mkdtemp(prefix="ckrun-check-resume-")
+    created = workdir is None
+    workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="ckrun-check-resume-"))
     os.makedirs(workdir, exist_ok=True)
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
-    echo(f"[ckrun] check-resume: workdir {workdir}, seed {seed}")
+    echo(
+        f"[ckrun] check-resume: work directory {workdir} (removed on PASS, kept on FAIL), "
+        f"seed {seed}"
+    )
     echo(f"[ckrun] check-resume: 1/2 uninterrupted run ({' '.join(command)})")
+
+    def progress(which: str) -> Any:
+        def say(elapsed: float, step: int | None, pre: int, attempts: int) -> None:
+            echo(
+                f"[ckrun] check-resume: {which} {elapsed:.0f} s: newest saved step "
+                f"{'-' if step is None else step}, {pre} preemption(s), {attempts} attempt(s); "
+                f"log {os.path.join(workdir, which + '.log')}"
+            )
+
+        return say
+
     rc = _supervise(
         UNINTERRUPTED,
         workdir,
@@ -353,7 +429,8 @@ def check_resume(
         {},
         os.path.join(workdir, "uninterrupted.log"),
         timeout_s,
-        own,
+        own=own,
+        progress=progress(UNINTERRUPTED),
     )
     if rc != 0:
         raise CkrunError(
@@ -387,7 +464,14 @@ def check_resume(
         f"{', '.join(map(str, steps)) or '-'}"
     )
     rc = _supervise(
-        INTERRUPTED, workdir, command, env, os.path.join(workdir, "interrupted.log"), timeout_s, own
+        INTERRUPTED,
+        workdir,
+        command,
+        env,
+        os.path.join(workdir, "interrupted.log"),
+        timeout_s,
+        own=own,
+        progress=progress(INTERRUPTED),
     )
     if rc != 0:
         raise CkrunError(
@@ -403,14 +487,21 @@ def check_resume(
         if located:
             div.hint += "; " + located
     res = CheckResult(div is None, steps, n_pre, compared, div, workdir, seed)
+    if res.passed:
+        remove_runs(workdir, created)
+        res.notes.append(
+            f"removed the work directory {workdir}"
+            if created
+            else f"removed both runs and their logs from {workdir}"
+        )
     last = final_step - 1 if file_set else final_step
-    expected = k - (1 if file_set and last in steps else 0)  # a notice at the last step finalizes
-    if n_pre < expected:
+    at_last = file_set and not watched and last in steps  # a notice there finalizes
+    if n_pre < k - (1 if at_last else 0):
         res.notes.append(
             f"only {n_pre} of {k} drills led to a preemption: does the command "
             "call ckrun.preemption_requested() every step?"
         )
-    if file_set and last in steps:
+    if at_last:
         res.notes.append(
             f"the drill at the last step ({last}) completed the run instead of preempting it "
             "(the final save follows at once: nothing is left to resume)"
