@@ -59,7 +59,7 @@ from ckrun.supervisor import machine as sm
 from ckrun.supervisor import process
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
-from ckrun.supervisor.watched import WatchedFiles, deliver_to_script
+from ckrun.supervisor.watched import WatchedFiles, deliver_to_script, mark_started
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
 
@@ -455,6 +455,8 @@ class Supervisor:
             if hook is not None:
                 hook(control_dir=self.rundir.control_dir)
         self.events.append("spawn", pid=self.child.pid, command=list(self.cfg.command))
+        if w is not None:  # a script with its own checkpoint never reports its first step:
+            mark_started(self.rundir.control_dir, self.child.pid)  # training counts from spawn
         return None
 
     def _command(self) -> tuple[str, ...]:

@@ -194,6 +194,20 @@ class WatchedFiles:
         return self._attempt < len(counts) and self.commits_this_attempt == counts[self._attempt]
 
 
+def mark_started(control_dir: str, pid: int) -> None:
+    """Write the child's training-start stamp (``control.TRAINING_FILE``) on its behalf:
+    an unmodified script cannot report its first step, so chaos drills count from spawn."""
+    from ckrun.control import TRAINING_FILE
+    from ckrun.notices import iso_utc, utcnow
+    from ckrun.storage.fsutil import write_json_atomic
+
+    write_json_atomic(
+        os.path.join(control_dir, TRAINING_FILE),
+        {"utc": iso_utc(utcnow()), "pid": pid},
+        durable=False,
+    )
+
+
 def deliver_to_script(child: Child, sig: int) -> list[int]:
     """A notice for a script with its own checkpoint: ``sig`` to the processes that catch
     it, or to the whole session when none does (the script then stops at once; its last
