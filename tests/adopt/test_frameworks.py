@@ -74,7 +74,7 @@ def test_check_resume_fails_without_the_data_position(
 ) -> None:
     pytest.importorskip("transformers" if script == HF else "lightning")
     args = HF_ARGS if script == HF else PL_ARGS
-    r = _check(tmp_path, script, *args, broken, k=1)
+    r = _check(tmp_path, script, *args, broken)  # seed 5: two drills mid-epoch, one at the end
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAIL:" in r.stdout and "the first step whose parameters differ is step" in r.stdout
 
