@@ -357,7 +357,11 @@ class Checkpointer:
             CheckpointError: a value in ``state`` cannot be checkpointed.
         """
         milestone = bool(self.milestone_every and step % self.milestone_every == 0)
-        return self._save(step, state, "milestone" if milestone else "recovery", metrics)
+        m = self._save(step, state, "milestone" if milestone else "recovery", metrics)
+        from ckrun.control import record_notice_save
+
+        record_notice_save(m.step)  # after a notice: an exit now is a preemption
+        return m
 
     def finalize(
         self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None

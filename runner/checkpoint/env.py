@@ -38,6 +38,7 @@ def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | Non
         _previous(tp, value, tb)
         return
     code = int(value.exit_code)
+    _record(value, code)
     try:
         if os.environ.get("CKRUN_TRACEBACK"):
             traceback.print_exception(tp, value, tb, file=sys.stderr)
@@ -47,6 +48,24 @@ def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | Non
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def _record(value: CkrunError, code: int) -> None:
+    """The exit-reason record that makes ``code`` ckrun's (:mod:`ckrun.control`)."""
+    from ckrun.control import write_exit_reason
+    from ckrun.errors import ExitCode, IncompatibleCheckpoint, StorageFull
+
+    if isinstance(value, IncompatibleCheckpoint):
+        reason = "incompatible"
+    elif isinstance(value, StorageFull):
+        reason = "storage_full"
+    elif code == ExitCode.STORAGE_ERROR:
+        reason = "storage_error"
+    elif code == ExitCode.CONFIG_INVALID:
+        reason = "config_invalid"
+    else:
+        return
+    write_exit_reason(reason, code, str(value))
 
 
 def install_excepthook() -> None:

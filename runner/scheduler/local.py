@@ -110,7 +110,7 @@ class LocalScheduler:
         try:
             fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                child = spawn(self._argv(spec), env, output_fd=fd)
+                child = spawn(self._argv(spec), env, output_fd=fd, death_signal=0)
             finally:
                 os.close(fd)
         except OSError as e:
