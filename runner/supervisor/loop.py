@@ -189,7 +189,7 @@ class Supervisor:
             restore()
 
     def _run(self) -> int:
-        subreaper = process.become_subreaper()
+        subreaper = self.procs.become_subreaper()
         for stale in (PREEMPT_REQUEST, CANCEL_REQUEST):  # left by a dead supervisor
             self.rundir.take_request(stale)
         b = self.budgets.load()

@@ -40,6 +40,10 @@ class ProcessTable(Protocol):
         """
         ...
 
+    def become_subreaper(self) -> bool:
+        """Adopt orphaned descendants (``PR_SET_CHILD_SUBREAPER``); True when set."""
+        ...
+
     def reap(self) -> dict[int, int]:
         """Exited children, pid -> shell-style status (never blocks)."""
         ...
@@ -79,6 +83,10 @@ class OsProcessTable:
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], *, track_tree: bool) -> Child:
         """:func:`ckrun.supervisor.process.spawn` (with the parent-death signal set)."""
         return process.spawn(argv, env, track_tree=track_tree)
+
+    def become_subreaper(self) -> bool:
+        """:func:`ckrun.supervisor.process.become_subreaper`."""
+        return process.become_subreaper()
 
     def reap(self) -> dict[int, int]:
         """:func:`ckrun.supervisor.process.reap`."""
