@@ -129,25 +129,63 @@ def read_ack(cdir: str) -> dict[str, Any] | None:
         return None
 
 
+#: Size of the reserved exit-reason record: the supervisor allocates it before the start,
+#: so the library can record a StorageFull exit on the full disk that caused it.
+EXIT_REASON_BYTES = 4096
+
+
+def reserve_exit_reason(cdir: str) -> bool:
+    """Supervisor: allocate an empty (blank) exit-reason record before a start.
+
+    Returns:
+        False when it cannot be written (the child then writes a new file, if it can).
+    """
+    try:
+        with open(os.path.join(cdir, EXIT_REASON_FILE), "wb") as f:
+            f.write(b" " * EXIT_REASON_BYTES)
+        return True
+    except OSError:
+        return False
+
+
 def write_exit_reason(reason: str, code: int, message: str = "", cdir: str | None = None) -> None:
     """Child: record why this process is about to exit with ``code`` (one of
-    :data:`EXIT_REASONS`); a no-op outside the supervisor.  Never raises: a full disk
-    must not turn a clean exit into a traceback (the supervisor then sees no record)."""
+    :data:`EXIT_REASONS`); a no-op outside the supervisor.
+
+    Overwrites the supervisor's reserved record in place (no new blocks: it works on a
+    full disk), else writes a new file.  Never raises: a failing write must not turn a
+    clean exit into a traceback (the supervisor then sees no record).
+    """
     cdir = cdir or control_dir()
     if not cdir:
         return
-    body = {"reason": reason, "code": int(code), "message": message, "pid": os.getpid()}
+    path = os.path.join(cdir, EXIT_REASON_FILE)
+    body = {"reason": reason, "code": int(code), "message": message[:2000], "pid": os.getpid()}
+    data = json.dumps(body).encode()[: EXIT_REASON_BYTES - 1]
     try:
-        write_json_atomic(os.path.join(cdir, EXIT_REASON_FILE), body, durable=False)
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        try:
+            write_json_atomic(path, body, durable=False)
+        except OSError:
+            pass
+        return
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, data.ljust(EXIT_REASON_BYTES), 0)
     except OSError:
         pass
+    finally:
+        os.close(fd)
 
 
 def read_exit_reason(cdir: str) -> dict[str, Any] | None:
     """Supervisor: the exit-reason record of the attempt's process, or None."""
     try:
-        with open(os.path.join(cdir, EXIT_REASON_FILE)) as f:
-            body = json.load(f)
+        with open(os.path.join(cdir, EXIT_REASON_FILE), "rb") as f:
+            text = f.read().strip()
+        body = json.loads(text) if text else None
     except (OSError, ValueError):
         return None
     if not isinstance(body, dict) or body.get("reason") not in EXIT_REASONS:

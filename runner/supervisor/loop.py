@@ -117,7 +117,7 @@ class Supervisor:
         self.restore_signals = restore_signals
         self.out = out or sys.stderr
         self.notice_sig = cfg.signal_number()
-        self.events = EventLog(rundir.events_path, cfg.run)
+        self.events = EventLog(rundir.events_path, cfg.run, fallback=self.out)
         self.child: process.Child | None = None
         self._storage: Storage | None = None
         self._signals: collections.deque[int] = collections.deque()
@@ -354,9 +354,8 @@ class Supervisor:
         elif isinstance(a, sm.WriteNotice):
             n = self._last_notice
             detail = dict(n.detail) if n is not None and n.source == a.source else {}
-            control.write_notice(
-                self.rundir.control_dir, Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
-            )
+            notice = Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
+            self._try("write notice.json", control.write_notice, self.rundir.control_dir, notice)
         elif isinstance(a, sm.Deliver) and c is not None:
             self._delivered = self.procs.deliver(c, self.notice_sig)
             self._notified.update(self._delivered)
@@ -364,7 +363,9 @@ class Supervisor:
         elif isinstance(a, sm.SignalGroup) and c is not None:
             self.procs.signal_session(c, a.sig)
         elif isinstance(a, sm.Escalate) and c is not None:
-            control.write_escalation(self.rundir.control_dir)
+            self._try(
+                "write the escalation mark", control.write_escalation, self.rundir.control_dir
+            )
             self.procs.signal_session(c, signal.SIGTERM)
         elif isinstance(a, sm.Kill) and c is not None:
             self.procs.signal_session(c, signal.SIGKILL)
@@ -427,12 +428,23 @@ class Supervisor:
             env["CKRUN_RESUME_STEP"] = str(resume_step)
         return env
 
+    def _try(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        """Bookkeeping that must not crash the supervisor (full disk, read-only mount)."""
+        try:
+            fn(*args)
+        except OSError as e:
+            self.say(f"warning: cannot {what} ({e}); continuing")
+
+    def _hold(self, attempt: int) -> None:
+        if self.lock is not None:
+            self.lock.update(attempt=attempt)
+
     def _spawn(self, a: sm.Spawn) -> sm.Event | None:
-        control.clear(self.rundir.control_dir)
+        self._try("clear control/", control.clear, self.rundir.control_dir)
+        control.reserve_exit_reason(self.rundir.control_dir)
         self.events.attempt = a.attempt
         self._notified = set()
-        if self.lock is not None:
-            self.lock.update(attempt=a.attempt)
+        self._try("update the lock holder", self._hold, a.attempt)
         try:
             self.child = self.procs.spawn(
                 self._command(),
