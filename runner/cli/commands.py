@@ -20,10 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckrun.config import RunConfig, build_notice_sources, is_local_storage, resolve
-from ckrun.errors import ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
+from ckrun.errors import CkrunError, ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
 from ckrun.notices import iso_utc, utcnow
 from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
 from ckrun.storage.fsutil import write_json_atomic
+from ckrun.supervisor.budgets import RunDirBudgets
 from ckrun.supervisor.rundir import (
     CANCEL_REQUEST,
     PREEMPT_REQUEST,
@@ -56,15 +57,16 @@ def detect_backend(env: Mapping[str, str] | None = None) -> str:
     return "local"
 
 
-def scheduler_for(backend: str, cfg: RunConfig) -> Scheduler:
-    """Instantiate ``backend``, giving it the run's options when they are its own."""
-    opts = cfg.options if cfg.scheduler == backend else None
+def scheduler_for(backend: str, cfg: RunConfig | None) -> Scheduler:
+    """Instantiate ``backend``, giving it the run's options when they are its own.
+
+    The options always reach the backend (no silent fallback to defaults): a backend
+    that cannot take them fails loudly.
+    """
+    opts = cfg.options if cfg is not None and cfg.scheduler == backend else None
     if opts is None:
         return get_scheduler(backend)
-    try:
-        return get_scheduler(backend, options=opts)
-    except TypeError:
-        return get_scheduler(backend)
+    return get_scheduler(backend, options=opts)
 
 
 def _absolute(cfg: RunConfig) -> RunConfig:
@@ -227,11 +229,20 @@ def submit(
         )
     if os.path.exists(rundir.cancelled_path):
         os.unlink(rundir.cancelled_path)
+    before = rundir.load_config()
     rundir.freeze(cfg)
+    RunDirBudgets(rundir.root).reset()  # a new submission: fresh budgets
     say(f"run {name}: storage {cfg.run_root}, profile {profile}")
     if local and not detach:
         return supervise(cfg, name, "local", frozen=cfg)
-    job_id = sched.submit(spec)
+    try:
+        job_id = sched.submit(spec)
+    except CkrunError:  # refused: leave the run as it was (no new frozen run.json)
+        if before is None:
+            os.unlink(rundir.run_json)
+        else:
+            rundir.freeze(before)
+        raise
     write_json_atomic(
         rundir.job_json,
         {"backend": cfg.scheduler, "job_id": job_id, "submitted_utc": iso_utc(utcnow())},
@@ -309,7 +320,8 @@ def cancel(name: str, storage: str | None) -> str:
         return f"run {name}: cancel sent to {_signal_holder(holder)}; it checkpoints and stops"
     job = read_json(rd.job_json)
     if job and job.get("backend") not in (None, "local"):
-        get_scheduler(str(job["backend"])).cancel(str(job["job_id"]))
+        # the profile's options as at submit (e.g. the Kubernetes namespace, Slurm cluster)
+        scheduler_for(str(job["backend"]), rd.load_config()).cancel(str(job["job_id"]))
         return f"run {name}: {job['backend']} job {job['job_id']} cancelled"
     return f"run {name}: no live supervisor; marked cancelled (a resubmit clears it)"
 

@@ -75,7 +75,7 @@ from ckrun.supervisor.state import TERMINAL, Phase, Policy, State
 
 _TERMINATED_BY_TERM = 128 + int(signal.SIGTERM)
 #: Exit code after Ctrl-C (128 + SIGINT, the shell convention).
-INTERRUPTED = 128 + int(signal.SIGINT)
+INTERRUPTED = int(ExitCode.INTERRUPTED)
 #: Exit-reason records that make a status the library's (see ChildExited.reason).
 _STORAGE_REASONS = ("storage_full", "storage_error")
 
