@@ -291,9 +291,26 @@ def run(
         cfg = base
     else:
         allow = tuple(dict.fromkeys((*frozen.allow_change, *cli.get("allow_change", ()))))
-        cfg = dataclasses.replace(frozen, command=command or frozen.command, allow_change=allow)
+        cfg = dataclasses.replace(
+            frozen,
+            command=command or frozen.command,
+            allow_change=allow,
+            **relocated(frozen, base, given="storage" in cli),
+        )
         cfg = reconcile(frozen, cfg)
     return supervise(cfg, run_name, scheduler, frozen=frozen)
+
+
+def relocated(frozen: RunConfig, found: RunConfig, *, given: bool) -> dict[str, str]:
+    """Where the run lives now: the location it was *found* at, not the frozen one.
+
+    ``run.json`` freezes absolute paths; after the file system moved or is mounted
+    elsewhere (a new node) they are stale.  The run was found under ``found``'s state
+    root, so that state dir (and, for local storage or an explicit ``--storage``, that
+    storage) is the truth; the frozen config never redirects the run elsewhere.
+    """
+    storage = found.storage if given or is_local_storage(frozen.storage) else frozen.storage
+    return {"storage": storage, "state_dir": found.state_dir}
 
 
 def _signal_holder(holder: dict[str, Any]) -> str:
