@@ -147,10 +147,16 @@ def summarize(rd: RunDir) -> dict[str, Any]:
     recs = _attempts(evs)
     acc = [_account(r, now) for r in recs]
     last_exit = next((e for e in reversed(evs) if e.get("kind") == "supervisor_exit"), None)
+    starts = [i for i, e in enumerate(evs) if e.get("kind") == "supervisor_start"]
+    died = bool(starts) and not any(
+        e.get("kind") == "supervisor_exit" for e in evs[starts[-1] :]
+    )  # the last supervisor left no exit record: killed (SIGKILL, OOM, lost node)
     if holder is not None:
         spawns = [i for i, e in enumerate(evs) if e.get("kind") == "spawn"]
         draining = any(e.get("kind") == "notice" for e in evs[spawns[-1] :]) if spawns else False
         state = "DRAINING" if draining else "RUNNING"
+    elif died:
+        state, last_exit = "SUPERVISOR_DIED", None
     elif last_exit is not None:
         state = str(last_exit.get("state"))
     else:
@@ -190,8 +196,13 @@ def render(s: dict[str, Any]) -> str:
     live = f" (supervisor pid {sup.get('pid')} on {sup.get('host')})" if s["live"] else ""
     gp = f"{100 * s['goodput']:.1f}%" if s["goodput"] is not None else "n/a"
     marker = ", COMPLETE.json present" if s["complete"] else ""
+    died = (
+        " (its supervisor was killed; `ckrun submit` or `ckrun run` resumes)"
+        if s["state"] == "SUPERVISOR_DIED"
+        else ""
+    )
     lines = [
-        f"run {s['run']}: {s['state']}{live}{marker}",
+        f"run {s['run']}: {s['state']}{live}{marker}{died}",
         f"  attempts {s['attempts']}, preemptions {s['preemptions']}, "
         f"failures {s['failures']}, last committed step {s['last_committed_step']}",
         f"  wall {s['wall_s']:.1f} s, useful {s['useful_s']:.1f} s, "
