@@ -291,17 +291,19 @@ def run(
         cfg = base
     else:
         allow = tuple(dict.fromkeys((*frozen.allow_change, *cli.get("allow_change", ()))))
+        storage, state_dir = relocated(frozen, base, given="storage" in cli)
         cfg = dataclasses.replace(
             frozen,
             command=command or frozen.command,
             allow_change=allow,
-            **relocated(frozen, base, given="storage" in cli),
+            storage=storage,
+            state_dir=state_dir,
         )
         cfg = reconcile(frozen, cfg)
     return supervise(cfg, run_name, scheduler, frozen=frozen)
 
 
-def relocated(frozen: RunConfig, found: RunConfig, *, given: bool) -> dict[str, str]:
+def relocated(frozen: RunConfig, found: RunConfig, *, given: bool) -> tuple[str, str]:
     """Where the run lives now: the location it was *found* at, not the frozen one.
 
     ``run.json`` freezes absolute paths; after the file system moved or is mounted
@@ -310,7 +312,7 @@ def relocated(frozen: RunConfig, found: RunConfig, *, given: bool) -> dict[str, 
     storage) is the truth; the frozen config never redirects the run elsewhere.
     """
     storage = found.storage if given or is_local_storage(frozen.storage) else frozen.storage
-    return {"storage": storage, "state_dir": found.state_dir}
+    return storage, found.state_dir
 
 
 def _signal_holder(holder: dict[str, Any]) -> str:
