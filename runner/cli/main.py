@@ -309,6 +309,11 @@ def config_cmd(profile: str, as_json: bool) -> int:
     width = max(len(k) for k in body)
     for k, v in body.items():
         click.echo(f"{k:<{width}}  {v!s:<24} {cfg.sources.get(k, 'default')}")
+    from ckrun.supervisor.loop import policy_of
+
+    click.echo("")
+    for line in policy_of(cfg).describe():
+        click.echo(f"# {line}")
     return 0
 
 

@@ -87,6 +87,22 @@ class Policy:
         delay = min(self.kill_delay_s, (kill_at - notice_at) / 2)
         return kill_at - delay, kill_at
 
+    def describe(self) -> list[str]:
+        """The notice timing these values give, in words (``ckrun config``)."""
+        term_at, kill_at = self.escalation(0.0, self.grace_s)
+        return [
+            f"a notice: the command saves; TERM at +{term_at:g} s if it has not exited, "
+            f"KILL at +{kill_at:g} s, the supervisor exits by +{self.grace_s:g} s at the "
+            "latest (grace_s: notice to the supervisor's exit; KILL margin_s before it, "
+            "TERM kill_delay_s before KILL)",
+            "a notice signal no process catches is delivered as SIGTERM at once",
+            f"processes left after the command exits: TERM at +{self.stray_s:g} s, KILL at "
+            f"+{2 * self.stray_s:g} s (stray_s)",
+            f"{self.no_progress_preemptions} preemptions in a row without a new checkpoint "
+            "stop the run (no_progress_preemptions; 0: no limit); Ctrl-C saves and stops "
+            f"(exit 130), twice within {self.interrupt_window_s:g} s stops at once",
+        ]
+
     def backoff(self, n: int) -> float:
         """Delay before the restart after the ``n``-th failure or no-progress preemption:
         ``min(backoff_max_s, backoff_s * 2**(n-1))`` seconds."""
