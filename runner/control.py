@@ -227,7 +227,7 @@ _pdeath_set: list[int] = []
 def _follow_parent() -> None:
     """Under a supervisor, die (SIGTERM: a notice) with the parent, once per process."""
     pid = os.getpid()
-    if control_dir() and pid not in _pdeath_set:
+    if control_dir() and os.environ.get("CKRUN_SUPERVISOR_PID") and pid not in _pdeath_set:
         _pdeath_set.append(pid)
         set_parent_death_signal(signal.SIGTERM)
 

@@ -40,14 +40,14 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ckrun import control
-from ckrun.config import RunConfig, is_local_storage, storage_env
+from ckrun.config import RunConfig
 from ckrun.errors import CkrunError
 from ckrun.notices import DRILL, PREEMPTION, TERMINATION, TIME_LIMIT, Notice, NoticeSource, utcnow
 from ckrun.runlog import EventLog
 from ckrun.scheduler.base import JobInfo, RequeueOutcome, Scheduler
 from ckrun.storage.base import Storage
+from ckrun.supervisor import launch, process
 from ckrun.supervisor import machine as sm
-from ckrun.supervisor import process
 from ckrun.supervisor.budgets import BudgetStore, RunBudgets, RunDirBudgets
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.ports import Clock, MonotonicClock, OsProcessTable, ProcessTable
@@ -195,7 +195,7 @@ class Supervisor:
         b = self.budgets.load()
         self.state = sm.State(
             policy=self.state.policy,
-            attempt=self._prior_attempts(),
+            attempt=launch.prior_attempts(self.rundir, self.storage),
             preemptions=b.preemptions,
             failures=b.failures,
             no_progress=b.no_progress,
@@ -405,29 +405,6 @@ class Supervisor:
             self.say("warning: " + w)
         return rep.event(self.clock.monotonic())
 
-    def _child_env(self, attempt: int, resume_step: int | None) -> dict[str, str]:
-        cfg = self.cfg
-        env = dict(os.environ)
-        env.pop("CKRUN_RESUME_STEP", None)
-        root = cfg.run_root
-        if is_local_storage(root):
-            root = os.path.abspath(root.removeprefix("file://"))
-        env.update(
-            CKRUN_RUN=cfg.run,
-            CKRUN_ATTEMPT=str(attempt),
-            CKRUN_STORAGE=root,
-            CKRUN_CONTROL_DIR=self.rundir.control_dir,
-            CKRUN_GRACE_S=f"{cfg.grace_s:g}",
-            CKRUN_NOTICE_SIGNAL=self.notice_sig.name,
-            CKRUN_CONFIG_HASH=cfg.launch_hash(),
-            CKRUN_ALLOW_CHANGE=",".join(cfg.allow_change),
-            CKRUN_SUPERVISOR_PID=str(os.getpid()),
-        )
-        env.update(storage_env(cfg))  # endpoint_url, s3_* from the profile
-        if resume_step is not None:
-            env["CKRUN_RESUME_STEP"] = str(resume_step)
-        return env
-
     def _try(self, what: str, fn: Callable[..., None], *args: Any) -> None:
         """Bookkeeping that must not crash the supervisor (full disk, read-only mount)."""
         try:
@@ -447,8 +424,8 @@ class Supervisor:
         self._try("update the lock holder", self._hold, a.attempt)
         try:
             self.child = self.procs.spawn(
-                self._command(),
-                self._child_env(a.attempt, a.resume_step),
+                launch.command(self.cfg, self.job),
+                launch.child_env(self.cfg, self.rundir, a.attempt, a.resume_step),
                 track_tree=self.cfg.nproc_per_node * self.cfg.nnodes > 1,
             )
         except (OSError, CkrunError) as e:
@@ -460,20 +437,6 @@ class Supervisor:
         self.events.append("spawn", pid=self.child.pid, command=list(self.cfg.command))
         return None
 
-    def _command(self) -> tuple[str, ...]:
-        """The command to spawn: under torchrun with ``nproc_per_node``/``nnodes`` > 1
-        (:func:`ckrun.supervisor.torchrun.wrap`)."""
-        from ckrun.supervisor import torchrun
-
-        cfg = self.cfg
-        return torchrun.wrap(
-            cfg.command,
-            nproc_per_node=cfg.nproc_per_node,
-            nnodes=cfg.nnodes,
-            node_rank=self.job.rank if self.job else 0,
-            grace_s=cfg.grace_s,
-        )
-
     def _requeue(self) -> sm.Event:
         now = self.clock.monotonic()
         if self.job is None:
@@ -484,19 +447,6 @@ class Supervisor:
             return sm.Requeued("failed", str(e), now)
         kind = "restart_here" if out == RequeueOutcome.RESTART_HERE else "requeued"
         return sm.Requeued(kind, "", now)
-
-    def _prior_attempts(self) -> int:
-        """Attempts already made in this run (events and manifests), so ids never repeat."""
-        from ckrun.runlog import read_events
-        from ckrun.supervisor.preflight import newest_attempt
-
-        seen = [
-            int(e.get("attempt", 0)) + 1
-            for e in read_events(self.rundir.events_path)
-            if e.get("kind") == "spawn"
-        ]
-        last = newest_attempt(self.storage)
-        return max([0, *seen, (last + 1) if last is not None else 0])
 
     def _abandon(self) -> None:
         """On an unexpected exit of the loop, do not leave the child running."""

@@ -37,7 +37,7 @@ def gone(pid: int, timeout_s: float) -> bool:
 def test_a_worker_importing_ckrun_follows_its_dead_parent(tmp_path: Path) -> None:
     # torchrun-style: the worker's parent is not the supervisor; `import ckrun` under a
     # supervisor sets PR_SET_PDEATHSIG, so the worker dies with its parent
-    env = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path))
+    env = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path), CKRUN_SUPERVISOR_PID=str(os.getpid()))
     parent = subprocess.Popen(
         [PY, "-c",
          "import subprocess, sys, time\n"
