@@ -9,7 +9,8 @@ issue 11 items 7, 8, 10, 13):
   completed; it is never trained again);
 * 3, 4 and 5 are ckrun's (invalid config, incompatible checkpoint, storage) only with
   the library's record; otherwise they are ordinary failures of the command;
-* 75, 76 or death by SIGTERM without a notice is a preemption; a preemption without a
+* 75, 76 or death by SIGTERM without a notice is a preemption, "with a commit" (exit 75)
+  only with the library's record and a newer step in storage; a preemption without a
   new checkpoint extends the no-progress streak, which backs off from its second
   preemption and stops the run at ``no_progress_preemptions`` (a requeue storm);
 * every other status is a failure: back-off, failure budget, crash-loop guard.
@@ -154,7 +155,11 @@ def _exited_running(s: State, ev: ChildExited, progress: bool, log: Log) -> Resu
             notice_source="child",
             notice_at=ev.now,
         )
-        return preempted(s, progress, ev.now, [log], ev.newest_step, ev.save_s)
+        # without a notice, only the library's record makes an exit 75 "preempted with a
+        # commit": a script's own 75 is a preemption without one (the newest checkpoint
+        # in storage is still where the next start resumes)
+        vouched = ev.status == _TERMINATED_BY_TERM or ev.reason == "preempted"
+        return preempted(s, progress and vouched, ev.now, [log], ev.newest_step, ev.save_s)
     failures = s.failures + 1
     no_progress = 0 if progress else s.no_progress + 1
     s = update(s, failures=failures, no_progress=no_progress)

@@ -403,7 +403,7 @@ def test_no_progress_preemption_streak_stops_and_backs_off() -> None:
     assert s3.phase is Phase.FAILED and acts[-1] == sm.Exit(1) and "requeue storm" in s3.why
     ok, _ = sm.step(
         dataclasses.replace(s2, phase=Phase.RUNNING, child=True, requeue_at=None),
-        sm.ChildExited(75, 12, False, 9.0),
+        sm.ChildExited(75, 12, False, 9.0, reason="preempted"),
     )
     assert ok.streak == 0
     # a new supervisor with the persisted streak does not start the command
@@ -416,3 +416,12 @@ def test_budget_changes_are_persisted_first() -> None:
     assert isinstance(acts[0], sm.Persist)
     _, acts = sm.step(running(), sm.NoticeEvent("drill", "cli", 1000.0, 100.0))
     assert not any(isinstance(a, sm.Persist) for a in acts)
+
+
+def test_only_the_record_makes_an_own_exit_75_a_preemption_with_a_commit() -> None:
+    # item 8: without a notice, a 75 with a newer step in storage but no record is a
+    # preemption without a commit (76, streak); with the library's record it is 75
+    s, _ = sm.step(running(), sm.ChildExited(75, 11, False, 5.0))
+    assert s.pending_code == 76 and s.streak == 1
+    s, _ = sm.step(running(), sm.ChildExited(75, 11, False, 5.0, reason="preempted"))
+    assert s.pending_code == 75 and s.streak == 0
