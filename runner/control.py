@@ -21,6 +21,9 @@ exit-reason record (:func:`write_exit_reason`, ``exit-reason.json``: ``reason``,
 record makes an exit 4 "incompatible", a 3 "invalid config", a 5 "storage", and a
 status 0 after a notice a preemption.
 
+Under a supervisor, ``import ckrun`` already catches the notice signal (only it): the
+process counts as one that handles notices while it still imports torch.
+
 Supervisor liveness (issue 11 item 2): the supervisor's children get
 ``PR_SET_PDEATHSIG`` (SIGTERM) at spawn, the library sets it again in its own process at
 first use (a torchrun worker or a script under a shell wrapper then follows its parent),
@@ -388,4 +391,24 @@ def reset_for_tests() -> None:
     _liveness[0] = 0.0
 
 
+def _catch_notice_early() -> None:
+    """Under a supervisor, catch the notice signal from ``import ckrun`` on.
+
+    The supervisor delivers a notice as SIGTERM when no process catches the notice
+    signal (a script without the library); a library user that is still importing
+    torch when the notice comes must not be taken for one.  Only the notice signal:
+    SIGTERM keeps its default until :func:`install_signal_handlers`, so a script that
+    imports ckrun but never checks the flag still stops on TERM.
+    """
+    if not (control_dir() and os.environ.get("CKRUN_SUPERVISOR_PID")):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    sig = notice_signal()
+    if sig not in _installed and signal.getsignal(sig) is signal.SIG_DFL:
+        signal.signal(sig, _handler)
+        _installed.add(sig)
+
+
 _follow_parent()  # at import: a torchrun worker or a wrapped script follows its parent
+_catch_notice_early()

@@ -136,8 +136,8 @@ def test_cancel_uses_the_profiles_options(tmp_path: Path, monkeypatch: object) -
     from ckrun.supervisor.rundir import RunDir
 
     assert isinstance(monkeypatch, pytest.MonkeyPatch)
-    cfg = resolve("k8s", {"storage": str(tmp_path), "state_dir": "", "namespace": "team-a", "image": "img"},
-                  {}, run="r", command=("python", "train.py"))  # fmt: skip
+    opts = {"storage": str(tmp_path), "state_dir": "", "namespace": "team-a", "image": "img"}
+    cfg = resolve("k8s", opts, {}, run="r", command=("python", "train.py"))
     rd = RunDir(cfg.state_root)
     rd.freeze(cfg)
     (Path(rd.job_json)).write_text(json.dumps({"backend": "k8s", "job_id": "ckrun-r"}))

@@ -11,8 +11,9 @@ issue 11 items 7, 8, 10, 13):
   the library's record; otherwise they are ordinary failures of the command;
 * 75, 76 or death by SIGTERM without a notice is a preemption, "with a commit" (exit 75)
   only with the library's record and a newer step in storage; a preemption without a
-  new checkpoint extends the no-progress streak, which backs off from its second
-  preemption and stops the run at ``no_progress_preemptions`` (a requeue storm);
+  new checkpoint (a drill's excepted) extends the no-progress streak, which backs off
+  from its second preemption and stops the run at ``no_progress_preemptions`` (a
+  requeue storm);
 * every other status is a failure: back-off, failure budget, crash-loop guard.
 """
 
@@ -212,7 +213,8 @@ def preempted(
         phase=Phase.PREEMPTED,
         exit_code=None,
         child=False,
-        streak=0 if progress else s.streak + 1,
+        # a drill (`ckrun preempt`, chaos) tests the resume path: it never extends the streak
+        streak=0 if progress else s.streak + (s.notice_kind != "drill"),
     )
     took = now - (s.notice_at if s.notice_at is not None else now)
     save = f"committed in {save_s:.2f} s, " if save_s is not None else ""

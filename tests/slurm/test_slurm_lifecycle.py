@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from pathlib import Path
 
 import pytest
 from slurm_helpers import CKRUN, REPO, job_done, wait_for

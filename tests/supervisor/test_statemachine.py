@@ -425,3 +425,13 @@ def test_only_the_record_makes_an_own_exit_75_a_preemption_with_a_commit() -> No
     assert s.pending_code == 76 and s.streak == 1
     s, _ = sm.step(running(), sm.ChildExited(75, 11, False, 5.0, reason="preempted"))
     assert s.pending_code == 75 and s.streak == 0
+
+
+def test_drills_do_not_extend_the_no_progress_streak() -> None:
+    # a chaos/`ckrun preempt` drill before the first step re-saves the resumed step
+    s, _ = sm.step(draining(streak=2), sm.ChildExited(75, 10, False, 101.0))
+    assert s.phase is Phase.PREEMPTED and s.streak == 2
+    s, _ = sm.step(
+        draining(streak=2, notice_kind="preemption"), sm.ChildExited(75, 10, False, 101.0)
+    )
+    assert s.streak == 3
