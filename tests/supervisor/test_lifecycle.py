@@ -64,6 +64,7 @@ def ckrun(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout
 
 
 # ------------------------------------------------------------------- item 1
+@pytest.mark.slow
 def test_ctrl_c_through_a_real_pty_saves_cancels_and_resubmit_resumes(tmp_path: Path) -> None:
     env = dict(os.environ, **FAST_ENV)
     env.pop("CKRUN_CONTROL_DIR", None)
@@ -108,6 +109,7 @@ def test_ctrl_c_through_a_real_pty_saves_cancels_and_resubmit_resumes(tmp_path: 
 
 
 # ------------------------------------------------------------------- item 2
+@pytest.mark.slow
 def test_sigkill_of_the_supervisor_takes_the_tree_down_and_resubmit_resumes(
     tmp_path: Path, procs: Start
 ) -> None:
@@ -180,6 +182,7 @@ def test_a_stray_sleep_does_not_delay_the_exit(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------- item 5
+@pytest.mark.slow
 def test_a_notice_stamped_5_minutes_in_the_past_still_yields_a_checkpoint(
     tmp_path: Path, procs: Start
 ) -> None:
@@ -315,6 +318,7 @@ def test_full_storage_at_submit_exits_5_with_the_fix(
     assert "Traceback" not in r.stderr and "free space" in r.stderr
 
 
+@pytest.mark.slow
 def test_disk_full_during_the_run_stops_with_5_not_a_crash_loop(
     tmp_path: Path, mount: Callable[..., Path], procs: Start
 ) -> None:
@@ -331,6 +335,7 @@ def test_disk_full_during_the_run_stops_with_5_not_a_crash_loop(
 
 
 # ------------------------------------------------------------------- item 11
+@pytest.mark.slow
 def test_a_moved_run_directory_resumes_from_its_own_checkpoints(
     tmp_path: Path, procs: Start
 ) -> None:
