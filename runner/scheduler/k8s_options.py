@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from ckrun.errors import ConfigError
+from ckrun.options import coerce_fields
 
+#: Values of ``k8s_kind``.
+KINDS = ("job", "jobset")
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 #: ``[prefix/]name`` label key (prefix: DNS subdomain; name: <= 63 characters).
 _LABEL_KEY = re.compile(
@@ -62,6 +64,13 @@ class Options:
         kubeconfig: kubeconfig file for submit/status/cancel; empty: ``$KUBECONFIG``,
             ``~/.kube/config``, then the in-cluster service account.
         context: kubeconfig context; empty: the current context.
+        k8s_kind: what a run of ``--nnodes N`` > 1 is rendered as: ``job`` (an Indexed
+            ``batch/v1`` Job plus a headless Service; any Kubernetes 1.29+) or ``jobset``
+            (a ``jobset.x-k8s.io/v1alpha2`` JobSet, JobSet v0.10+ installed): see
+            :mod:`ckrun.scheduler.k8s_group` for which mechanism restarts the group.
+        rdzv_port: TCP port of torchrun's c10d rendezvous store on index 0's pod.
+        rdzv_timeout_s: seconds torchrun waits for every node of the group to join the
+            rendezvous (``join_timeout``): the slowest pod's scheduling and image pull.
     """
 
     image: str = ""
@@ -87,6 +96,9 @@ class Options:
     ckrun_command: tuple[str, ...] = ("ckrun",)
     kubeconfig: str = ""
     context: str = ""
+    k8s_kind: str = "job"
+    rdzv_port: int = 29500
+    rdzv_timeout_s: int = 900
 
     def __post_init__(self) -> None:
         """Normalise YAML lists to tuples and check every value.
@@ -95,21 +107,13 @@ class Options:
             ConfigError: a value has the wrong type or is out of range; the message
                 names the profile key and the fix.
         """
-        setattr_ = object.__setattr__
-        for key in ("node_selector", "tolerations", "image_pull_secrets", "ckrun_command"):
-            setattr_(self, key, _str_tuple(key, getattr(self, key)))
-        for key in ("cpu", "memory", "shm_size"):
-            setattr_(self, key, str(getattr(self, key)))
+        coerce_fields(self)  # YAML lists and comma-separated strings -> tuples, "8" -> 8
         self.node_selector_map()
         self.toleration_list()
         _check_int("gpus", self.gpus, 0)
         _check_int("termination_grace_period_s", self.termination_grace_period_s, 1)
         _check_int("backoff_limit", self.backoff_limit, 0)
         _check_int("ttl_after_finished_s", self.ttl_after_finished_s, 0)
-        for key in ("save_time_s", "grace_margin_s"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{key} must be a number of seconds >= 0, got {value!r}")
         for key in ("cpu", "memory", "shm_size"):
             value = getattr(self, key)
             if value and not _QUANTITY.match(str(value)):
@@ -124,6 +128,15 @@ class Options:
             )
         if not self.ckrun_command:
             raise ConfigError("ckrun_command is empty: set it to the argv of ckrun, ['ckrun']")
+        if self.k8s_kind not in KINDS:
+            raise ConfigError(
+                f"k8s_kind={self.k8s_kind!r}: use 'job' (an Indexed Job and a headless "
+                "Service, any Kubernetes 1.29+) or 'jobset' (needs JobSet v0.10+ installed)"
+            )
+        _check_int("rdzv_port", self.rdzv_port, 1)
+        if self.rdzv_port > 65535:
+            raise ConfigError(f"rdzv_port must be a TCP port (1-65535), got {self.rdzv_port}")
+        _check_int("rdzv_timeout_s", self.rdzv_timeout_s, 1)
         if not self.pvc_mount_path.startswith("/"):
             raise ConfigError(f"pvc_mount_path={self.pvc_mount_path!r} must be absolute")
 
@@ -136,17 +149,9 @@ class Options:
         return [parse_toleration(t) for t in self.tolerations]
 
 
-def _check_int(key: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_int(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
         raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
-
-
-def _str_tuple(key: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{key} must be a list of strings, got {value!r}")
-    return tuple(value)
 
 
 def parse_node_selector(items: tuple[str, ...]) -> dict[str, str]:

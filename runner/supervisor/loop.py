@@ -11,13 +11,17 @@ Each round it
 1. drains the recorded signals: SIGTERM and the notice signal (default USR1) become
    notices, SIGINT (Ctrl-C) a save-and-stop :class:`~ckrun.supervisor.messages.Interrupt`,
    HUP/QUIT are forwarded to the child's group, USR2 and CHLD only wake;
-2. takes ``ckrun preempt`` / ``ckrun cancel`` requests from ``control/``;
+2. takes ``ckrun preempt`` / ``ckrun cancel`` requests from ``control/``, and a peer
+   notice (``peer-notice.json``: the child's ranks agreed to stop for a notice that
+   reached another node of a multi-node job, :func:`ckrun.control.write_peer_notice`),
+   which drains this node like a notice of its own, without a restart in place;
 3. polls the notice sources (scheduler's, cloud, chaos);
 4. reaps (it alone waits: orphans adopted in subreaper mode are reaped too); while the
    command's own process is gone but its session is not, it feeds ``LeaderExited`` (the
    machine's stray timers decide TERM/KILL); the attempt ends when the session is empty,
    then the newest commit in storage and the library's exit-reason record are read (the
-   supervisor checks the checkpoint itself, not the child's word);
+   supervisor checks the checkpoint itself, not the child's word).  A peer notice left
+   before the child's end is taken first, so the exit is judged as a drain's;
 5. feeds a ``Tick`` (every timer is the machine's state).
 
 The clock and the process table are arguments (:mod:`ckrun.supervisor.ports`), so the
@@ -244,6 +248,7 @@ class Supervisor:
         while self._signals:
             self._on_signal(self._signals.popleft(), now)
         self._requests(now)
+        self._peer_notice(now)
         for src in self.sources:
             n = src.poll()
             if n is not None:  # a cloud/scheduler notice means this machine goes away
@@ -303,6 +308,14 @@ class Supervisor:
             n = Notice.with_lead(TERMINATION, "cli:cancel", self.cfg.grace_s)
             self._queue.append(self._notice_event(n, now, cancel=True))
 
+    def _peer_notice(self, now: float) -> None:
+        """Drain on a peer notice.  Not ``self_term``: this machine stays; the scheduler
+        decides (Kubernetes, Slurm: requeued, exit 75; the local backend restarts here)."""
+        body = control.take_peer_notice(self.rundir.control_dir)
+        if body is not None:
+            n = Notice.with_lead(PREEMPTION, "peer:agreed-step", self.cfg.grace_s, body)
+            self._queue.append(self._notice_event(n, now))
+
     def _reap(self, now: float) -> None:
         reaped = self.procs.reap()
         c = self.child
@@ -318,6 +331,7 @@ class Supervisor:
             saving = bool(self._notified & set(left))
             self._queue.append(sm.LeaderExited(c.status, now, saving))
             return
+        self._peer_notice(now)  # a peer notice left before the end is judged first
         self.child = None
         from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
 
