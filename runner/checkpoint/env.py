@@ -121,14 +121,22 @@ def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | Non
 def _record(value: CkrunError, code: int) -> None:
     """The exit-reason record that makes ``code`` ckrun's (:mod:`ckrun.control`)."""
     from ckrun.control import write_exit_reason
-    from ckrun.errors import ExitCode, IncompatibleCheckpoint, StorageFull
+    from ckrun.errors import (
+        ExitCode,
+        IncompatibleCheckpoint,
+        StorageFull,
+        StoragePermissionError,
+    )
 
+    # Only what a restart cannot fix: a full or read-only/denied storage stops the run;
+    # other storage and checkpoint errors (a collective save that lost a rank, an I/O
+    # hiccup) stay ordinary failures, retried within the budgets.
     if isinstance(value, IncompatibleCheckpoint):
         reason = "incompatible"
     elif isinstance(value, StorageFull):
         reason = "storage_full"
-    elif code == ExitCode.STORAGE_ERROR:
-        reason = "storage_error"
+    elif isinstance(value, StoragePermissionError):
+        reason = "storage_denied"
     elif code == ExitCode.CONFIG_INVALID:
         reason = "config_invalid"
     else:
