@@ -232,8 +232,10 @@ def submit(
     if os.path.exists(rundir.cancelled_path):
         os.unlink(rundir.cancelled_path)
     before = rundir.load_config()
+    budgets = RunDirBudgets(rundir.root)
+    spent = budgets.load()
     rundir.freeze(cfg)
-    RunDirBudgets(rundir.root).reset()  # a new submission: fresh budgets
+    budgets.reset()  # a new submission: fresh budgets (before its job can start)
     say(f"run {name}: storage {cfg.run_root}, profile {profile}")
     if local and not detach:
         return supervise(cfg, name, "local", frozen=cfg)
@@ -244,6 +246,7 @@ def submit(
             os.unlink(rundir.run_json)
         else:
             rundir.freeze(before)
+            budgets.save(spent)
         raise
     write_json_atomic(
         rundir.job_json,
