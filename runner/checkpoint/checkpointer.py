@@ -34,7 +34,7 @@ from ckrun.checkpoint.env import (
     open_storage_from_env,
 )
 from ckrun.checkpoint.lock import WriterLock
-from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle
 from ckrun.checkpoint.state import state_compat
@@ -223,7 +223,8 @@ class Checkpointer:
             CheckpointError: the checkpoint does not fit the state (wrong model).
         """
         pipeline.acquire(self._ctx)
-        return resume.load(
+        t0 = time.monotonic()
+        m = resume.load(
             self._ctx,
             state,
             self.compat_block(state),
@@ -233,6 +234,8 @@ class Checkpointer:
             resume_step=self.resume_step,
             skipped=self.skipped,
         )
+        _report_training_start(m, time.monotonic() - t0, self.rank)
+        return m
 
     def latest(self) -> Manifest | None:
         """The newest committed, verified (re-hashed unless this process wrote or loaded
@@ -268,7 +271,9 @@ class Checkpointer:
             StorageError: other storage failures (read-only, I/O).
             CheckpointError: a value in ``state`` cannot be checkpointed.
         """
+        t0 = time.monotonic()
         m = self._save(step, state, pipeline.kind_for(self._ctx, step), metrics)
+        _report_save(m, time.monotonic() - t0, "sync", self.rank)
         from ckrun.control import record_notice_save
 
         record_notice_save(m.step)  # after a notice: an exit now is a preemption
@@ -282,7 +287,9 @@ class Checkpointer:
         Raises:
             RunComplete: already finalized.  Storage errors as :meth:`save`.
         """
-        m = self._save(step, state, "final", metrics)
+        t0 = time.monotonic()
+        m = self._save(step, state, ManifestKind.FINAL, metrics)
+        _report_save(m, time.monotonic() - t0, "sync", self.rank)
         if self.rank == 0:
             self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
         self._ctx.complete = True
@@ -366,7 +373,13 @@ class Checkpointer:
             return SaveHandle.completed(self.save(step, state, metrics=metrics))
         if self._async is None:
             self._async = aio.AsyncSaver(self._ctx, self.compat_block)
-        return self._async.save(step, state, metrics)
+        t0 = time.monotonic()
+        h = self._async.save(step, state, metrics)
+        if self.rank == 0:
+            from ckrun.runlog import child_event
+
+            child_event("save", step=step, seconds=time.monotonic() - t0, mode="async")
+        return h
 
     def wait(self) -> Manifest | None:
         """Wait for the in-flight ``async_save``; its manifest, or None when none.
@@ -420,6 +433,25 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _report_training_start(m: Manifest | None, seconds: float, rank: int) -> None:
+    """Tell the run's log and the supervisor that training starts (``restore`` event,
+    :func:`ckrun.control.mark_training`); a no-op outside the supervisor."""
+    from ckrun.control import mark_training
+    from ckrun.runlog import child_event
+
+    if rank == 0:
+        child_event("restore", step=m.step if m is not None else None, seconds=seconds)
+    mark_training("restore")
+
+
+def _report_save(m: Manifest, seconds: float, mode: str, rank: int) -> None:
+    """The ``save`` event: the training loop was blocked ``seconds`` for step ``m.step``."""
+    if rank == 0:
+        from ckrun.runlog import child_event
+
+        child_event("save", step=m.step, seconds=seconds, mode=mode, ckpt_kind=m.kind)
 
 
 def _basename(url: str) -> str:

@@ -22,6 +22,31 @@ from ckrun.errors import CkrunError, ExitCode, UsageError
 from ckrun.storage.base import Storage
 
 
+def run_root(run: str, storage: str | None) -> str:
+    """The run root ``ls``/``verify`` inspect: ``run`` itself when it is a URL or an
+    existing directory (and no ``--storage`` is given), else the root of the run named
+    ``run`` under ``--storage`` (its ``run.json`` says where its checkpoints are).
+
+    Raises:
+        UsageError: neither a directory nor a run of that name exists.
+    """
+    local = run.removeprefix("file://")
+    if "://" in local or (storage is None and os.path.isdir(local)):
+        return run
+    from ckrun.cli.commands import locate
+    from ckrun.errors import ConfigError
+
+    try:
+        rd = locate(run, storage)
+    except (UsageError, ConfigError) as e:
+        raise UsageError(
+            f"{run}: no such run directory, and {e}; pass the run root (the directory "
+            "holding checkpoints/ and run.json) or a run name with --storage DIR"
+        ) from None
+    cfg = rd.load_config()
+    return cfg.run_root if cfg is not None else rd.root
+
+
 def _open(run_dir: str) -> Storage:
     from ckrun.checkpoint.env import open_storage_from_env
 
@@ -79,16 +104,24 @@ def _rows(storage: Storage) -> list[dict[str, Any]]:
     return rows
 
 
+_storage_opt = click.option(
+    "--storage", default=None, metavar="DIR", help="Storage base when RUN is a run name."
+)
+
+
 @click.command("ls")
-@click.argument("run_dir")
+@click.argument("run_dir", metavar="RUN")
+@_storage_opt
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (rows, complete).")
 @click.pass_context
-def ls(ctx: click.Context, run_dir: str, as_json: bool) -> None:
-    """List the checkpoints of RUN_DIR: step, kind, size, committed UTC, status."""
+def ls(ctx: click.Context, run_dir: str, storage: str | None, as_json: bool) -> None:
+    """List the checkpoints of RUN (a run name, a run root directory or URL): step,
+    kind, size, committed UTC, status."""
     try:
-        storage = _open(run_dir)
-        rows = _rows(storage)
-        marker, problem = completion(storage)
+        run_dir = run_root(run_dir, storage)
+        storage_ = _open(run_dir)
+        rows = _rows(storage_)
+        marker, problem = completion(storage_)
     except CkrunError as e:
         _fail(ctx, e)
         return
@@ -119,24 +152,32 @@ def ls(ctx: click.Context, run_dir: str, as_json: bool) -> None:
 
 
 @click.command("verify")
-@click.argument("run_dir")
+@click.argument("run_dir", metavar="RUN")
+@_storage_opt
 @click.option("--step", type=int, default=None, help="Verify only this step.")
 @click.pass_context
-def verify(ctx: click.Context, run_dir: str, step: int | None) -> None:
-    """Re-hash every shard of RUN_DIR's checkpoints; exit 5 naming each bad file."""
+def verify(ctx: click.Context, run_dir: str, storage: str | None, step: int | None) -> None:
+    """Re-hash every shard of RUN's checkpoints (a run name, a run root directory or
+    URL); exit 5 naming each bad file."""
     try:
-        storage = _open(run_dir)
-        sc = scan(storage)
+        run_dir = run_root(run_dir, storage)
+        storage_ = _open(run_dir)
+        sc = scan(storage_)
     except CkrunError as e:
         _fail(ctx, e)
         return
     todo: list[Manifest] = [m for m in sc.manifests if step is None or m.step == step]
     if step is not None and not todo:
-        _fail(ctx, UsageError(f"{run_dir}: no committed checkpoint at step {step}; see `ckrun ls`"))
+        _fail(
+            ctx,
+            UsageError(
+                f"{run_dir}: no committed checkpoint at step {step}; see `ckrun ls {run_dir}`"
+            ),
+        )
         return
     bad = 0
     for m in todo:
-        problems = verify_manifest(storage, m)
+        problems = verify_manifest(storage_, m)
         bad += bool(problems)
         status = "ok" if not problems else "CORRUPT"
         click.echo(f"step {m.step} ({m.kind}, {_size(m.total_size_bytes)}): {status}")

@@ -226,7 +226,7 @@ class Supervisor:
             while True:
                 while self._queue:
                     self._feed(self._queue.popleft())
-                if self.state.exit_code is not None:
+                if self.state.terminal:
                     break
                 self._round()
         finally:
@@ -447,20 +447,22 @@ class Supervisor:
         for src in self.sources:
             hook = getattr(src, "attempt_started", None)
             if hook is not None:
-                hook()
+                hook(control_dir=self.rundir.control_dir)
         self.events.append("spawn", pid=self.child.pid, command=list(self.cfg.command))
         return None
 
     def _requeue(self) -> sm.Event:
         now = self.clock.monotonic()
         if self.job is None:
-            return sm.Requeued("failed", "not inside a job of this scheduler", now)
+            return sm.Requeued(sm.RequeueResult.FAILED, "not inside a job of this scheduler", now)
         try:
             out = self.scheduler.requeue(self.job)
         except CkrunError as e:
-            return sm.Requeued("failed", str(e), now)
-        kind = "restart_here" if out == RequeueOutcome.RESTART_HERE else "requeued"
-        return sm.Requeued(kind, "", now)
+            return sm.Requeued(sm.RequeueResult.FAILED, str(e), now)
+        restart = out == RequeueOutcome.RESTART_HERE
+        return sm.Requeued(
+            sm.RequeueResult.RESTART_HERE if restart else sm.RequeueResult.REQUEUED, "", now
+        )
 
     def _abandon(self) -> None:
         """On an unexpected exit of the loop, do not leave the child running."""

@@ -61,8 +61,10 @@ from ckrun.supervisor.messages import (  # re-exported: the machine's vocabulary
     NoticeEvent,
     Persist,
     Preflighted,
+    PreflightOutcome,
     Requeue,
     Requeued,
+    RequeueResult,
     RunPreflight,
     SignalGroup,
     Spawn,
@@ -90,6 +92,7 @@ __all__ = [
     "TERMINAL",
     "step",
     "budgets",
+    "PreflightOutcome",
     "Preflighted",
     "SpawnFailed",
     "ChildExited",
@@ -100,6 +103,7 @@ __all__ = [
     "Forward",
     "Tick",
     "Requeued",
+    "RequeueResult",
     "Event",
     "RunPreflight",
     "Spawn",
@@ -130,7 +134,7 @@ def step(s: State, ev: Event) -> Result:
         first whenever the run's budgets changed (before a requeue or exit can end the
         process).
     """
-    if s.phase in TERMINAL or s.exit_code is not None:
+    if s.terminal:
         return s, []
     new, acts = _dispatch(s, ev)
     if budgets(new) != budgets(s):  # recorded before anything else happens
@@ -169,7 +173,7 @@ def _dispatch(s: State, ev: Event) -> Result:
 def _preflighted(s: State, ev: Preflighted) -> Result:
     if s.phase is not Phase.PREFLIGHT:
         return s, []
-    if ev.outcome == "complete":
+    if ev.outcome == PreflightOutcome.COMPLETE:
         return stop(
             s,
             Phase.ALREADY_COMPLETE,
@@ -178,7 +182,7 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
             f"run already complete ({ev.detail or 'COMPLETE.json'}); not starting the command",
             step=ev.step,
         )
-    if ev.outcome == "incompatible":
+    if ev.outcome == PreflightOutcome.INCOMPATIBLE:
         return stop(
             s,
             Phase.INCOMPATIBLE,
@@ -190,7 +194,7 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
             step=ev.step,
             diff=list(ev.diff),
         )
-    if ev.outcome == "cancelled" or (s.cancel and not s.ctrl_c):
+    if ev.outcome == PreflightOutcome.CANCELLED or (s.cancel and not s.ctrl_c):
         return stop(
             s,
             Phase.CANCELLED,

@@ -31,6 +31,7 @@ from ckrun.supervisor.messages import (
     Log,
     Requeue,
     Requeued,
+    RequeueResult,
     RunPreflight,
 )
 from ckrun.supervisor.state import Phase, State
@@ -267,7 +268,7 @@ def requeued(s: State, ev: Requeued) -> Result:
     if s.phase is not Phase.PREEMPTED or s.requeue_at is not None:
         return s, []
     code = s.pending_code if s.pending_code is not None else ExitCode.PREEMPTED_NO_CHECKPOINT
-    if ev.outcome == "failed":
+    if ev.outcome == RequeueResult.FAILED:
         return stop(
             s,
             Phase.REQUEUE_FAILED,
@@ -275,13 +276,13 @@ def requeued(s: State, ev: Requeued) -> Result:
             "requeue_failed",
             f"requeue failed: {ev.detail}; the checkpoint is intact, resubmit",
         )
-    if ev.outcome == "restart_here" and not s.self_term:
+    if ev.outcome == RequeueResult.RESTART_HERE and not s.self_term:
         s = update(s, phase=Phase.PREFLIGHT)
         return s, [Log("requeue", "restarting here", {"outcome": ev.outcome}), RunPreflight()]
     msg = (
         "this supervisor or machine is being stopped (SIGTERM or a machine notice): not "
         "restarting in place; `ckrun run` or `ckrun submit` again resumes"
-        if ev.outcome == "restart_here"
+        if ev.outcome == RequeueResult.RESTART_HERE
         else f"requeued by the scheduler{': ' + ev.detail if ev.detail else ''}"
     )
     s = update(s, exit_code=int(code))

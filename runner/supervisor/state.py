@@ -165,3 +165,10 @@ class State:
     pending_code: int | None = None
     exit_code: int | None = None
     why: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        """The run is over for this supervisor: a phase of :data:`TERMINAL`, or the exit
+        code decided (a PREEMPTED run the scheduler requeued).  The machine ignores
+        every later event and the loop returns :attr:`exit_code`."""
+        return self.phase in TERMINAL or self.exit_code is not None
