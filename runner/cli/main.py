@@ -65,6 +65,7 @@ def _cli_values(**kw: Any) -> dict[str, Any]:
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("ckrun.cli.checkpoints", "ls"),
     "verify": ("ckrun.cli.checkpoints", "verify"),
+    "export": ("ckrun.cli.checkpoints", "export"),
     "check-resume": ("ckrun.cli.check_resume", "check_resume"),
     "runs": ("ckrun.cli.runs", "runs"),
     "logs": ("ckrun.cli.runs", "logs"),
