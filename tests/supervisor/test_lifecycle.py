@@ -145,7 +145,7 @@ def test_dead_holder_of_the_writer_lock_is_taken_over(tmp_path: Path) -> None:
     first = subprocess.run([PY, "-c", prog], capture_output=True, text=True, timeout=30)
     path = first.stdout.strip()
     assert os.path.exists(path), first.stderr
-    holder = subprocess.Popen(["flock", "-n", path, "sleep", "30"])
+    holder = subprocess.Popen(["flock", path, "sleep", "30"])  # waits out the probes below
     take = (
         "import logging, ckrun\n"
         "logging.basicConfig(level=logging.WARNING)\n"
