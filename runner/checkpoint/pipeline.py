@@ -83,6 +83,9 @@ class CommitContext:
         verified: manifest keys this process wrote or verified (not re-hashed).
         written: the last manifest this process committed.
         complete: the run has its completion marker.
+        signature: the model signature of the state last seen
+            (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
+            compared by the next load.
     """
 
     storage: Storage
@@ -100,6 +103,7 @@ class CommitContext:
     verified: set[str] = field(default_factory=set)
     written: Manifest | None = None
     complete: bool = False
+    signature: dict[str, Any] | None = None
 
 
 def check_step(step: Any) -> None:
@@ -252,6 +256,7 @@ def make_manifest(
             "python": platform.python_version(),
         },
         compat_drift=tuple(ctx.drift),
+        signature=ctx.signature,
         key=mkey,
     )
 

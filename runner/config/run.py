@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckrun.errors import ConfigError
-from ckrun.options import coerce, field_type
+from ckrun.options import coerce, did_you_mean, field_type
 
 #: Keys that are run identity or bookkeeping, not settable from a profile.
 _NOT_PROFILE = {"run", "command", "profile", "options", "sources", "cloud"}
@@ -40,9 +40,17 @@ class RunConfig:
         state_dir: local directory for run.json, events.jsonl, control/ and locks/;
             empty means the run root (required when ``storage`` is remote).
         notice_signal: the signal that means "notice" to supervisor and child.
-        grace_s: longest time from a notice to the child's exit, seconds.
-        margin_s: TERM is sent ``margin_s`` before the notice deadline, seconds.
-        kill_delay_s: time between TERM and KILL, seconds.
+        grace_s: longest time from a notice to the supervisor's own exit, seconds: the
+            deadline is ``min(notice deadline, notice + grace_s)``; TERM and KILL both
+            land inside it.
+        margin_s: KILL lands ``margin_s`` before the deadline (the supervisor's own time
+            to check storage and requeue), seconds.
+        kill_delay_s: TERM lands ``kill_delay_s`` before KILL (half the time left when
+            the notice is shorter), seconds.
+        stray_s: once the command's process exited, processes left in its session get
+            TERM after ``stray_s`` and KILL ``stray_s`` later, seconds.
+        no_progress_preemptions: preemptions in a row without a new checkpoint that
+            stop the run (requeue-storm guard; 0: no limit).
         max_requeues: preemptions allowed before the run stops requeueing.
         max_failures: failures of the user's command allowed (total).
         crash_loop_failures: consecutive failures with no checkpoint progress that stop
@@ -74,6 +82,8 @@ class RunConfig:
     grace_s: float = 60.0
     margin_s: float = 2.0
     kill_delay_s: float = 10.0
+    stray_s: float = 2.0
+    no_progress_preemptions: int = 5
     max_requeues: int = 100
     max_failures: int = 3
     crash_loop_failures: int = 2
@@ -256,12 +266,35 @@ def cloud_values(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: Run names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.`` or ``-``.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+
+
+def check_run_name(name: str) -> str:
+    """``name`` if it is a valid run name: letters, digits and ``._-`` only, not starting
+    with ``.`` or ``-``, at most 200 characters (it becomes a directory and a storage
+    prefix, so no path components: ``../x`` would write outside the storage root).
+
+    Raises:
+        ConfigError: otherwise, naming the rule.
+    """
+    if not _RUN_NAME.match(name):
+        raise ConfigError(
+            f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' only "
+            "(no '/' or spaces, not starting with '.' or '-'), e.g. --run charlm-1"
+        )
+    return name
+
+
 def unknown_keys_message(unknown: list[str], scheduler: str, backend_keys: list[str]) -> str:
-    """The error text for ``unknown`` keys: every valid key, by the class it sets."""
+    """The error text for ``unknown`` keys: the closest valid key of each, then every
+    valid key, by the class it sets."""
     cloud = f", cloud notices [{', '.join(cloud_keys())}]"
     cloud += f", S3 storage [{', '.join(storage_keys())}]"
+    valid = common_keys() + backend_keys + cloud_keys() + storage_keys()
+    hints = "".join(did_you_mean(k, valid) for k in unknown)
     return (
-        f"unknown config key(s) {', '.join(unknown)}; valid keys: common "
+        f"unknown config key(s) {', '.join(unknown)}{hints}; valid keys: common "
         f"[{', '.join(common_keys())}], {scheduler} [{', '.join(backend_keys)}]{cloud}"
     )
 
