@@ -222,6 +222,7 @@ class Checkpointer:
             RunLocked: another process writes this run.
             CheckpointError: the checkpoint does not fit the state (wrong model).
         """
+        pipeline.wait_retention(self._ctx)
         pipeline.acquire(self._ctx)
         return resume.load(
             self._ctx,
@@ -238,6 +239,7 @@ class Checkpointer:
         """The newest committed, verified (re-hashed unless this process wrote or loaded
         it), compatible manifest; None when there is none or the newest good one is
         incompatible."""
+        pipeline.wait_retention(self._ctx)
         return resume.latest(
             self._ctx,
             self.compat_block(None),
@@ -308,7 +310,7 @@ class Checkpointer:
             created_utc=created,
             started=started,
         )
-        pipeline.retain(self._ctx, m)
+        pipeline.retain_later(self._ctx, m)  # after the commit, off the save's return
         return m
 
     def persist(
@@ -403,8 +405,10 @@ class Checkpointer:
         return interval.auto_for(self._ctx, lambda: self._async, mtbi_s=self._mtbi_s)
 
     def close(self) -> None:
-        """Drain an in-flight async save (raising its error), release the writer lock."""
+        """Drain an in-flight async save (raising its error) and a background retention
+        pass, release the writer lock."""
         try:
+            pipeline.wait_retention(self._ctx)
             if self._async is not None:
                 self._async.close()
         finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -83,6 +84,8 @@ class CommitContext:
         verified: manifest keys this process wrote or verified (not re-hashed).
         written: the last manifest this process committed.
         complete: the run has its completion marker.
+        retaining: the retention pass of the last synchronous save, running in the
+            background (:func:`retain_later`); joined before the next save or load.
     """
 
     storage: Storage
@@ -100,6 +103,7 @@ class CommitContext:
     verified: set[str] = field(default_factory=set)
     written: Manifest | None = None
     complete: bool = False
+    retaining: threading.Thread | None = None
 
 
 def check_step(step: Any) -> None:
@@ -138,7 +142,9 @@ def acquire(ctx: CommitContext) -> None:
 
 
 def begin(ctx: CommitContext) -> None:
-    """Before any save: the run is not complete, and this process holds the lock."""
+    """Before any save: the last save's retention has finished, the run is not
+    complete, and this process holds the lock."""
+    wait_retention(ctx)
     check_not_complete(ctx)
     acquire(ctx)
 
@@ -252,6 +258,29 @@ def make_manifest(
         compat_drift=tuple(ctx.drift),
         key=mkey,
     )
+
+
+def retain_later(ctx: CommitContext, m: Manifest) -> None:
+    """Step 5 off the save's return (issue 19): :func:`retain` in a background thread,
+    started after ``m`` is committed (durable), joined by :func:`wait_retention` before
+    the next save or load starts and at ``Checkpointer.close``, so retention never runs
+    concurrently with a save of this process.  The thread is not a daemon: an exiting
+    interpreter finishes the pass first.  A killed process leaves at most the files of
+    one old checkpoint, which the next pass deletes (as for a kill during ``retain``)."""
+    if ctx.rank != 0:
+        return
+    wait_retention(ctx)
+    t = threading.Thread(target=retain, args=(ctx, m), name="ckrun-retention")
+    ctx.retaining = t
+    t.start()
+
+
+def wait_retention(ctx: CommitContext) -> None:
+    """Join the background retention pass of the last save, if any (errors are logged
+    by :func:`retain` itself)."""
+    t, ctx.retaining = ctx.retaining, None
+    if t is not None:
+        t.join()
 
 
 def retain(ctx: CommitContext, m: Manifest) -> None:
