@@ -409,6 +409,9 @@ class Checkpointer:
         pass, release the writer lock."""
         try:
             pipeline.wait_retention(self._ctx)
+            if self._ctx.retainer is not None:
+                self._ctx.retainer.shutdown()
+                self._ctx.retainer = None
             if self._async is not None:
                 self._async.close()
         finally:

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import logging
 import platform
-import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +84,8 @@ class CommitContext:
         written: the last manifest this process committed.
         complete: the run has its completion marker.
         retaining: the retention pass of the last synchronous save, running in the
-            background (:func:`retain_later`); joined before the next save or load.
+            background (:func:`retain_later`, on the one thread of ``retainer``);
+            joined before the next save or load.
     """
 
     storage: Storage
@@ -103,7 +103,8 @@ class CommitContext:
     verified: set[str] = field(default_factory=set)
     written: Manifest | None = None
     complete: bool = False
-    retaining: threading.Thread | None = None
+    retaining: Future[None] | None = None
+    retainer: ThreadPoolExecutor | None = None
 
 
 def check_step(step: Any) -> None:
@@ -265,22 +266,23 @@ def retain_later(ctx: CommitContext, m: Manifest) -> None:
     started after ``m`` is committed (durable), joined by :func:`wait_retention` before
     the next save or load starts and at ``Checkpointer.close``, so retention never runs
     concurrently with a save of this process.  The thread is not a daemon: an exiting
-    interpreter finishes the pass first.  A killed process leaves at most the files of
+    interpreter finishes the pass first (a ``ThreadPoolExecutor`` worker, kept for the
+    next save: no thread start per save).  A killed process leaves at most the files of
     one old checkpoint, which the next pass deletes (as for a kill during ``retain``)."""
     if ctx.rank != 0:
         return
     wait_retention(ctx)
-    t = threading.Thread(target=retain, args=(ctx, m), name="ckrun-retention")
-    ctx.retaining = t
-    t.start()
+    if ctx.retainer is None:
+        ctx.retainer = ThreadPoolExecutor(1, thread_name_prefix="ckrun-retention")
+    ctx.retaining = ctx.retainer.submit(retain, ctx, m)
 
 
 def wait_retention(ctx: CommitContext) -> None:
     """Join the background retention pass of the last save, if any (errors are logged
     by :func:`retain` itself)."""
-    t, ctx.retaining = ctx.retaining, None
-    if t is not None:
-        t.join()
+    f, ctx.retaining = ctx.retaining, None
+    if f is not None:
+        f.result()
 
 
 def retain(ctx: CommitContext, m: Manifest) -> None:

@@ -97,6 +97,20 @@ class DirectWriter(LocalWriter):
         self._wait(self._cur)  # the next buffer must be on disk before it is refilled
         self._fill = 0
 
+    def _write_small(self, n: int) -> None:
+        """Write the first ``n`` staged bytes through the page cache (``O_DIRECT``
+        cleared with ``fcntl(F_SETFL)``): for an object smaller than one staging buffer
+        a thread hand-off, block padding and ``ftruncate`` cost more than the write;
+        the commit's fsync makes it durable all the same (issue 19, small states)."""
+        import fcntl
+
+        assert self._fd is not None
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        mv = memoryview(self._bufs[self._cur])[:n]
+        done = 0
+        while done < n:
+            done += os.write(self._fd, mv[done:])
+
     def write(self, data: bytes | bytearray | memoryview) -> int:
         """Copy ``data`` into the staging buffers, writing each full one (bytes)."""
         if self._fd is None:
@@ -124,13 +138,17 @@ class DirectWriter(LocalWriter):
             raise StorageError(f"commit of {self.key} after commit/abort")
         try:
             n = self._fill
-            if n:
+            small = self._off == 0  # still all in the first buffer (or empty)
+            if small:
+                self._write_small(n)  # one buffered write, no I/O thread, no truncate
+            elif n:
                 padded = -(-n // BLOCK) * BLOCK
                 self._bufs[self._cur][n:padded] = bytes(padded - n)
                 self._submit(padded)
             for i in range(len(self._bufs)):
                 self._wait(i)
-            os.ftruncate(self._fd, self.bytes_written)
+            if not small:
+                os.ftruncate(self._fd, self.bytes_written)
         except OSError as e:
             self.abort()
             raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e

@@ -124,3 +124,34 @@ def test_deep_writer_enospc_surfaces_and_leaves_nothing(
         w.commit()
     w.abort()
     assert st.head("obj") is None and os.listdir(tmp_path / "run") == []
+
+
+def test_small_object_skips_the_direct_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 (small states): an object within one staging buffer is written with one
+    buffered write and fsynced: no padded O_DIRECT tail, no ftruncate; bigger ones still
+    are truncated to their real length."""
+    from ckrun.storage import direct as direct_mod
+
+    truncs: list[int] = []
+    real = os.ftruncate
+    monkeypatch.setattr(
+        direct_mod.os,  # type: ignore[attr-defined]
+        "ftruncate",
+        lambda fd, n: (truncs.append(n), real(fd, n))[1],
+    )
+    st = LocalStorage(str(tmp_path / "run"))
+    for depth in (1, 4):
+        for n in (0, 1, 5000, 1 << 20):
+            data = os.urandom(n)
+            w = DirectWriter(st, f"s{depth}-{n}", depth=depth)
+            w.write(data)
+            w.commit()
+            assert st.get(f"s{depth}-{n}") == data
+    assert truncs == []
+    big = os.urandom((40 << 20) + 5)
+    w = DirectWriter(st, "big", depth=4)
+    w.write(big)
+    w.commit()
+    assert truncs == [len(big)] and st.get("big") == big
