@@ -34,7 +34,7 @@ from ckrun.checkpoint.env import (
     open_storage_from_env,
 )
 from ckrun.checkpoint.lock import WriterLock
-from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle
 from ckrun.checkpoint.state import state_compat
@@ -280,7 +280,7 @@ class Checkpointer:
         Raises:
             RunComplete: already finalized.  Storage errors as :meth:`save`.
         """
-        m = self._save(step, state, "final", metrics)
+        m = self._save(step, state, ManifestKind.FINAL, metrics)
         if self.rank == 0:
             self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
         self._ctx.complete = True

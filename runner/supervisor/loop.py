@@ -189,7 +189,7 @@ class Supervisor:
             while True:
                 while self._queue:
                     self._feed(self._queue.popleft())
-                if self.state.exit_code is not None:
+                if self.state.terminal:
                     break
                 self._round()
         finally:
@@ -423,13 +423,15 @@ class Supervisor:
     def _requeue(self) -> sm.Event:
         now = time.monotonic()
         if self.job is None:
-            return sm.Requeued("failed", "not inside a job of this scheduler", now)
+            return sm.Requeued(sm.RequeueResult.FAILED, "not inside a job of this scheduler", now)
         try:
             out = self.scheduler.requeue(self.job)
         except CkrunError as e:
-            return sm.Requeued("failed", str(e), now)
-        kind = "restart_here" if out == RequeueOutcome.RESTART_HERE else "requeued"
-        return sm.Requeued(kind, "", now)
+            return sm.Requeued(sm.RequeueResult.FAILED, str(e), now)
+        restart = out == RequeueOutcome.RESTART_HERE
+        return sm.Requeued(
+            sm.RequeueResult.RESTART_HERE if restart else sm.RequeueResult.REQUEUED, "", now
+        )
 
     def _prior_attempts(self) -> int:
         """Attempts already made in this run (events and manifests), so ids never repeat."""

@@ -1,4 +1,4 @@
-"""Running the training command under ``torchrun`` inside the supervisor (issue 8).
+"""Running the training command under ``torchrun`` inside the supervisor.
 
 ``ckrun submit train.py --nproc-per-node N [--nnodes M]`` keeps the user's command as the
 launch identity (``run.json``) and the supervisor spawns :func:`wrap`'s form of it::
