@@ -120,10 +120,15 @@ def _write_cache(key: str, c: WriterChoice) -> None:
 
 
 def _from_cache(entry: dict[str, object]) -> WriterChoice | None:
-    mode, depth = entry.get("mode"), entry.get("depth")
+    mode, depth, rates = entry.get("mode"), entry.get("depth"), entry.get("rates")
     if mode not in ("direct", "writebehind") or not isinstance(depth, int) or depth < 1:
         return None
-    return WriterChoice(str(mode), depth, "cache")
+    kept = tuple(
+        (str(r[0]), float(r[1]))
+        for r in (rates if isinstance(rates, list) else [])
+        if isinstance(r, list) and len(r) == 2 and isinstance(r[1], (int, float))
+    )
+    return WriterChoice(str(mode), depth, "cache", kept)
 
 
 def _time_write(root: str, mode: str, depth: int, nbytes: int) -> float:

@@ -62,6 +62,7 @@ def test_probe_is_remembered_per_location_and_logged(
     probe.forget()
     c2 = LocalStorage(str(tmp_path / "b")).writer_choice()
     assert calls == [st.root] and c2.source == "cache" and c2.label == c.label
+    assert c2.rates == c.rates  # the probe's figures are remembered with the choice
     w = LocalStorage(str(tmp_path / "c")).open_write("k")
     assert isinstance(w, DirectWriter) == (c.mode == "direct")
     w.abort()
