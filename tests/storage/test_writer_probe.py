@@ -156,3 +156,29 @@ def test_small_object_skips_the_direct_tail(
     w.write(big)
     w.commit()
     assert truncs == [len(big)] and st.get("big") == big
+
+
+def test_staging_buffers_are_reused_never_shared(tmp_path: Path) -> None:
+    """Issue 19 (small states): a writer's staging buffers go back for the next writer
+    (no first-touch page faults per save); two open writers never share one."""
+    st = LocalStorage(str(tmp_path / "run"))
+    a = DirectWriter(st, "a", depth=4)
+    b = DirectWriter(st, "b", depth=4)  # open at the same time: its own buffers
+    ids_a = {id(x) for x in a._bufs}
+    assert not ids_a & {id(x) for x in b._bufs}
+    da, db = os.urandom((20 << 20) + 7), os.urandom(5 << 20)
+    a.write(da)
+    b.write(db)
+    a.commit()
+    b.abort()
+    c = DirectWriter(st, "c", depth=4)
+    assert {id(x) for x in c._bufs} & ids_a  # a's buffers, given back, reused
+    dc = os.urandom((30 << 20) + 1)
+    c.write(dc)
+    c.commit()
+    c.abort()  # after the commit: a no-op, gives nothing back twice
+    d1, d2 = DirectWriter(st, "d1", depth=4), DirectWriter(st, "d2", depth=4)
+    assert not {id(x) for x in d1._bufs} & {id(x) for x in d2._bufs}
+    d1.abort()
+    d2.abort()
+    assert st.get("a") == da and st.get("c") == dc and st.head("b") is None
