@@ -27,7 +27,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from ckrun.errors import ConfigError
+from ckrun.errors import ConfigError, StorageError
+from ckrun.storage.local_writer import DirectUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class WriterChoice:
     Attributes:
         mode: ``direct`` (``O_DIRECT`` staging writer) or ``writebehind``.
         depth: ``O_DIRECT`` writes outstanding (1 for ``writebehind``).
-        source: ``probe``, ``cache`` (remembered probe) or ``env`` (CKRUN_WRITER).
+        source: ``probe``, ``cache`` (remembered probe), ``env`` (CKRUN_WRITER), or
+            ``fallback`` (the probe failed, e.g. no room: ``direct:1``, not remembered).
         rates: the probe's GB/s per candidate (empty unless probed).
     """
 
@@ -186,6 +188,9 @@ def probe(root: str, nbytes: int = PROBE_BYTES) -> WriterChoice:
 def choose(root: str) -> WriterChoice:
     """The writer for ``root``: CKRUN_WRITER, else remembered, else probed (and kept).
 
+    A probe that fails with a storage error (no room for its 48 MiB, say) gives
+    ``direct:1`` for this process, logged as a warning and not remembered.
+
     Raises:
         ConfigError: CKRUN_WRITER is malformed.
         DirectUnsupported: the probe found ``O_DIRECT`` refused.
@@ -200,7 +205,15 @@ def choose(root: str) -> WriterChoice:
         entry = _read_cache().get(key)
         c = _from_cache(entry) if isinstance(entry, dict) else None
         if c is None:
-            c = probe(root)
+            try:
+                c = probe(root)
+            except DirectUnsupported:
+                raise
+            except StorageError as e:  # e.g. no room for the probe: the classic writer
+                log.warning("writer probe for %s failed (%s): using direct:1", key, e)
+                c = WriterChoice("direct", 1, "fallback")
+                _memo[key] = c
+                return c
             log.info(
                 "writer probe for %s: %s (GB/s %s)",
                 key,

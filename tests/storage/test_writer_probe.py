@@ -182,3 +182,23 @@ def test_staging_buffers_are_reused_never_shared(tmp_path: Path) -> None:
     d1.abort()
     d2.abort()
     assert st.get("a") == da and st.get("c") == dc and st.head("b") is None
+
+
+def test_probe_failure_falls_back_and_is_not_remembered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe that cannot write (ENOSPC from its first write here) leaves the classic
+    O_DIRECT double buffer for this process and remembers nothing; saves still work."""
+    from ckrun.errors import StorageFull
+
+    def full(root: str, nbytes: int = probe.PROBE_BYTES) -> probe.WriterChoice:
+        raise StorageFull(f"{root}: no space left on device")
+
+    monkeypatch.setattr(probe, "probe", full)
+    st = LocalStorage(str(tmp_path / "r"))
+    c = st.writer_choice()
+    assert (c.label, c.source) == ("direct:1", "fallback")
+    assert not os.path.exists(probe.cache_file())
+    with st.open_write("x") as w:
+        w.write(b"data")
+    assert st.get("x") == b"data"
