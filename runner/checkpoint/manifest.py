@@ -23,6 +23,8 @@ from ckrun.storage.base import validate_key
 
 FORMAT = "ckrun.manifest"
 FORMAT_VERSION = 1
+#: fields a manifest may omit (absent in manifests written before issue 13)
+OPTIONAL_FIELDS = frozenset({"signature"})
 Kind = Literal["recovery", "milestone", "final"]
 
 
@@ -91,6 +93,9 @@ class Manifest:
         save_duration_s: seconds from the start of the save to the commit.
         versions: ``ckrun``, ``torch``, ``python`` versions of the writer.
         compat_drift: allowed or warned compat differences against ``resumed_from``.
+        signature: the model signature and optimizer parameter names
+            (:mod:`ckrun.checkpoint.signature`), or None (no module in the state, or a
+            format-1 manifest).
         key: where this manifest was read from or written to (not serialised).
     """
 
@@ -108,6 +113,7 @@ class Manifest:
     save_duration_s: float
     versions: dict[str, str] = field(default_factory=dict)
     compat_drift: tuple[str, ...] = ()
+    signature: dict[str, Any] | None = None
     key: str = field(default="", compare=False)
 
     @property
@@ -139,7 +145,7 @@ class Manifest:
             "save_duration_s": self.save_duration_s,
             "versions": self.versions,
             "compat_drift": list(self.compat_drift),
-        }
+        } | ({"signature": self.signature} if self.signature is not None else {})
 
     def dumps(self) -> bytes:
         """Strict JSON bytes (``allow_nan=False``, sorted keys)."""
@@ -171,7 +177,11 @@ class Manifest:
             raise CorruptCheckpoint(f"{where}: expected a JSON object", key=key)
         check_format(obj, FORMAT, FORMAT_VERSION, where)
         expected = set(Manifest.__dataclass_fields__) - {"key"} | {"format", "format_version"}
+        expected -= OPTIONAL_FIELDS - obj.keys()
         exact_fields(obj, expected, where)
+        signature = obj.get("signature")
+        if signature is not None and not isinstance(signature, dict):
+            raise CorruptCheckpoint(f"{where}: field 'signature' must be an object", key=key)
         step = typed_field(obj, "step", int, where)
         text = typed_field(obj, "kind", str, where)
         if text not in KINDS or step < 0:
@@ -207,6 +217,7 @@ class Manifest:
             save_duration_s=float(duration),
             versions=typed_field(obj, "versions", dict, where),
             compat_drift=tuple(str(d) for d in drift),
+            signature=signature,
             key=key,
         )
 

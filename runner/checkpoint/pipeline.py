@@ -86,6 +86,9 @@ class CommitContext:
         retaining: the retention pass of the last synchronous save, running in the
             background (:func:`retain_later`, on the one thread of ``retainer``);
             joined before the next save or load.
+        signature: the model signature of the state last seen
+            (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
+            compared by the next load.
     """
 
     storage: Storage
@@ -105,6 +108,7 @@ class CommitContext:
     complete: bool = False
     retaining: Future[None] | None = None
     retainer: ThreadPoolExecutor | None = None
+    signature: dict[str, Any] | None = None
 
 
 def check_step(step: Any) -> None:
@@ -259,6 +263,7 @@ def make_manifest(
             "python": platform.python_version(),
         },
         compat_drift=tuple(ctx.drift),
+        signature=ctx.signature,
         key=mkey,
     )
 
