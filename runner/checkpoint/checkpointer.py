@@ -259,6 +259,7 @@ class Checkpointer:
             RunLocked: another process writes this run.
             CheckpointError: the checkpoint does not fit the state (wrong model).
         """
+        pipeline.wait_retention(self._ctx)
         pipeline.acquire(self._ctx)
         t0 = time.monotonic()
         m = resume.load(
@@ -278,6 +279,7 @@ class Checkpointer:
         """The newest committed, verified (re-hashed unless this process wrote or loaded
         it), compatible manifest; None when there is none or the newest good one is
         incompatible."""
+        pipeline.wait_retention(self._ctx)
         return resume.latest(
             self._ctx,
             self.compat_block(None),
@@ -375,7 +377,7 @@ class Checkpointer:
             created_utc=created,
             started=started,
         )
-        pipeline.retain(self._ctx, m)
+        pipeline.retain_later(self._ctx, m)  # after the commit, off the save's return
         return m
 
     def persist(
@@ -476,8 +478,13 @@ class Checkpointer:
         return interval.auto_for(self._ctx, lambda: self._async, mtbi_s=self._mtbi_s)
 
     def close(self) -> None:
-        """Drain an in-flight async save (raising its error), release the writer lock."""
+        """Drain an in-flight async save (raising its error) and a background retention
+        pass, release the writer lock."""
         try:
+            pipeline.wait_retention(self._ctx)
+            if self._ctx.retainer is not None:
+                self._ctx.retainer.shutdown()
+                self._ctx.retainer = None
             if self._async is not None:
                 self._async.close()
         finally:
