@@ -138,7 +138,13 @@ def _validate(cfg: RunConfig) -> None:
             "resume_args and child_signal belong to own-checkpoint mode: name the "
             "script's checkpoint file with --checkpoint-path FILE"
         )
-    for k in ("max_requeues", "max_failures", "crash_loop_failures", "world_size"):
+    for k in (
+        "max_requeues",
+        "max_failures",
+        "crash_loop_failures",
+        "no_progress_preemptions",
+        "world_size",
+    ):
         if getattr(cfg, k) < (1 if k == "world_size" else 0):
             raise ConfigError(f"{k} must be >= {1 if k == 'world_size' else 0}")
     bad = sorted(set(cfg.notice_sources) - {"aws", "gcp", "azure"})
