@@ -78,6 +78,10 @@ class ObjectExists(StorageError):
     """A conditional create (``if_absent=True``) found the key already present."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional update (``put(if_match=...)``) found another version, or no object."""
+
+
 class InvalidKey(StorageError):
     """A key is absolute, contains ``..`` or other components that escape the root."""
 

@@ -105,10 +105,25 @@ class TieredStorage:
         return f"TieredStorage(local={self.local.url!r}, remote={self.remote.url!r})"
 
     # -- Storage protocol: writes go to the local tier --------------------------------
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
+    def put(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        """Write to the local tier; a conditional update (``if_match``) goes to the
+        remote tier, where compare-and-swap objects (the run's lease) live."""
+        if if_match is not None:
+            return self.remote.put(key, data, if_match=if_match)
         info = self.local.put(key, data, if_absent=if_absent)
         self._committed(key)
         return info
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """From the remote tier (compare-and-swap objects live there)."""
+        return self.remote.get_versioned(key)
 
     def put_file(self, key: str, path: str) -> ObjectInfo:
         info = self.local.put_file(key, path)

@@ -22,13 +22,21 @@ from __future__ import annotations
 import builtins
 import ctypes
 import errno
+import fcntl
+import hashlib
 import os
 import secrets
 import time
 from collections.abc import Iterable
 from typing import IO
 
-from ckrun.errors import ObjectExists, ObjectNotFound, StorageError, map_os_error
+from ckrun.errors import (
+    ObjectExists,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageError,
+    map_os_error,
+)
 from ckrun.storage.base import ObjectInfo, validate_key
 
 TEMP_PREFIX = ".ckrun-tmp-"
@@ -240,34 +248,87 @@ class LocalStorage:
                 self.direct = False
         return LocalWriter(self, key, write_behind=self.write_behind)
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
+    def put(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
         """Store ``data`` under ``key`` atomically and durably.
 
         Args:
             if_absent: create only; ``ObjectExists`` when the key exists (``link(2)``
                 fails with EEXIST instead of replacing).
+            if_match: replace only the version ``if_match`` (compare-and-swap under an
+                exclusive ``flock(2)`` of the key's directory: read the current
+                version, compare, rename over it); ``PreconditionFailed`` otherwise.
+                ``flock`` is local to one kernel: on NFS use S3 (or a filesystem whose
+                ``flock`` is cluster-wide, e.g. Lustre with ``-o flock``).
+
+        Raises:
+            ObjectExists, PreconditionFailed: the condition failed; nothing changed.
+            StorageFull, StorageError: the write failed; the old object is intact.
         """
+        if if_absent and if_match is not None:
+            raise ValueError("put: if_absent and if_match are exclusive")
         w = LocalWriter(self, key, write_behind=False)
         try:
             w.write(data)
-            if not if_absent:
+            if not if_absent and if_match is None:
                 return w.commit()
             assert w._fd is not None
             os.fsync(w._fd)
+            version = _version(os.fstat(w._fd), data)
             os.close(w._fd)
             w._fd = None
-            try:
-                os.link(w._tmp, w._final)
-            except FileExistsError as e:
-                raise ObjectExists(
-                    f"{key} already exists in {self.url}: a conditional create lost the race"
-                ) from e
+            if if_match is not None:
+                self._swap(w._tmp, w._final, key, if_match)
+            else:
+                try:
+                    os.link(w._tmp, w._final)
+                except FileExistsError as e:
+                    raise ObjectExists(
+                        f"{key} already exists in {self.url}: a conditional create lost the race"
+                    ) from e
             _fsync_dir(os.path.dirname(w._final))
-            return ObjectInfo(key, len(memoryview(data).cast("B")), time.time())
+            return ObjectInfo(key, len(memoryview(data).cast("B")), time.time(), version)
         except OSError as e:
             raise map_os_error(e, path=w._final) from e
         finally:
             w.abort()  # closes a still-open temp file and removes it; no-op after commit
+
+    def _swap(self, tmp: str, final: str, key: str, if_match: str) -> None:
+        """Rename ``tmp`` over ``final`` if ``final``'s version is ``if_match`` (locked)."""
+        dfd = os.open(os.path.dirname(final), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            try:
+                current = self.get_versioned(key)[1]
+            except ObjectNotFound:
+                current = None
+            if current != if_match:
+                raise PreconditionFailed(
+                    f"{key} in {self.url} changed (version {current or 'absent'}, expected "
+                    f"{if_match}): a conditional update lost the race"
+                )
+            os.replace(tmp, final)
+        finally:
+            os.close(dfd)  # releases the flock
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object and its version token (inode, mtime, content hash) of one open.
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+        """
+        try:
+            with open(self._path(key), "rb") as f:
+                data = f.read()
+                return data, _version(os.fstat(f.fileno()), data)
+        except OSError as e:
+            raise _read_error(e, key, self.url) from e
 
     def put_file(self, key: str, path: str) -> ObjectInfo:
         """Copy the local file ``path`` to ``key`` (atomic, durable)."""
@@ -397,6 +458,17 @@ class LocalStorage:
                 except OSError:
                     continue
         return removed
+
+
+def _version(st: os.stat_result, data: bytes | memoryview) -> str:
+    """A file's version token: inode, mtime (ns) and the first 64 bits of its SHA-256.
+
+    A conditional write always renames a new file (new inode while the old one exists),
+    so a token names one write; the content hash keeps a reused inode number with a
+    coarse mtime from ever matching an older token for different bytes.
+    """
+    digest = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{digest}"
 
 
 def _is_regular(mode: int) -> bool:

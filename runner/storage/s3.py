@@ -199,16 +199,37 @@ class S3Storage:
             ) from exc
 
     # -- writes -----------------------------------------------------------------------
-    def open_write(self, key: str, *, if_absent: bool = False) -> S3Writer:
+    def open_write(
+        self, key: str, *, if_absent: bool = False, if_match: str | None = None
+    ) -> S3Writer:
         """A streaming writer, invisible under ``key`` until commit (see ``S3Writer``)."""
         self.object_key(key)
-        return S3Writer(self, key, if_absent=if_absent)
+        return S3Writer(self, key, if_absent=if_absent, if_match=if_match)
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
-        """Store ``data`` under ``key`` (``If-None-Match: *`` when ``if_absent``)."""
-        with self.open_write(key, if_absent=if_absent) as w:
+    def put(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        """Store ``data`` under ``key`` (``If-None-Match: *`` when ``if_absent``,
+        ``If-Match: <ETag>`` with ``if_match``; see :class:`S3Writer` for the errors)."""
+        with self.open_write(key, if_absent=if_absent, if_match=if_match) as w:
             w.write(data)
-        return ObjectInfo(key, w.bytes_written, time.time())
+        return ObjectInfo(key, w.bytes_written, time.time(), w.version)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object (CRC32C checked) and its ETag, from one GET.
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+        """
+        resp = self.call("get_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
+        with CheckedReader(resp["Body"], key, self._expected_crc(resp)) as raw:
+            data = raw.readall()
+        return data, str(resp["ETag"])
 
     def put_file(self, key: str, path: str) -> ObjectInfo:
         """Upload the local file ``path`` under ``key`` (multipart when large)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckrun.errors import InvalidKey, ObjectExists, ObjectNotFound
+from ckrun.errors import InvalidKey, ObjectExists, ObjectNotFound, PreconditionFailed
 from ckrun.storage.base import ObjectWriter, Storage
 
 BAD_KEYS = ["../escape", "a/../../b", "/abs/key", "a//b", "a/./b", "", "a\\b", "a/b/", "x\x00"]
@@ -145,3 +145,47 @@ def test_open_read_streams(storage: Storage) -> None:
     with storage.open_read("r") as f:
         assert f.read(3) == b"\x00\x01\x02"
         assert len(f.read()) == 2560 - 3
+
+
+def test_conditional_update_compare_and_swap(storage: Storage) -> None:
+    created = storage.put("cas/obj", b"v1", if_absent=True)
+    data, v1 = storage.get_versioned("cas/obj")
+    assert data == b"v1" and created.version == v1
+    upd = storage.put("cas/obj", b"v2", if_match=v1)
+    data, v2 = storage.get_versioned("cas/obj")
+    assert data == b"v2" and upd.version == v2 and v2 != v1
+    with pytest.raises(PreconditionFailed):  # a stale version is refused
+        storage.put("cas/obj", b"stale", if_match=v1)
+    assert storage.get("cas/obj") == b"v2"
+    with pytest.raises(PreconditionFailed):  # no object: nothing to compare with
+        storage.put("cas/missing", b"x", if_match=v1)
+    assert storage.head("cas/missing") is None
+    with pytest.raises(ObjectNotFound):
+        storage.get_versioned("cas/missing")
+
+
+def test_conditional_update_one_winner(storage: Storage) -> None:
+    """Two writers holding the same version: exactly one update succeeds."""
+    import threading
+
+    storage.put("cas/race", b"base", if_absent=True)
+    _, v = storage.get_versioned("cas/race")
+    outcomes: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        try:
+            storage.put("cas/race", f"writer-{i}".encode(), if_match=v)
+            outcomes.append(f"writer-{i}")
+        except PreconditionFailed:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [o for o in outcomes if o != "refused"]
+    assert len(winners) == 1 and outcomes.count("refused") == 3
+    assert storage.get("cas/race") == winners[0].encode()
