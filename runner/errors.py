@@ -127,6 +127,15 @@ class RunLocked(CkrunError):
         self.holder = dict(holder or {})
 
 
+class LeaseHeld(RunLocked):
+    """Another supervisor holds the run's lease (it renews it); exit 2 naming the holder."""
+
+
+class LeaseLost(RunLocked):
+    """This process's lease epoch is no longer the run's current one (a newer owner took
+    over): its commit, marker and retention are refused (fencing); exit 2."""
+
+
 class RunComplete(CkrunError):
     """The run has a valid completion marker; nothing more may be saved or run."""
 
