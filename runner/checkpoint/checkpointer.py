@@ -9,6 +9,13 @@ reported and the next older one is tried.  See DESIGN.md §3.
 Environment read by :meth:`Checkpointer.from_env`: ``CKRUN_STORAGE``, ``CKRUN_RUN``,
 ``CKRUN_ATTEMPT``, ``CKRUN_CONFIG_HASH`` (compat field ``launch_hash``),
 ``CKRUN_ALLOW_CHANGE`` (comma-separated), ``CKRUN_RESUME_STEP`` (a hint).
+
+Fencing (DESIGN.md §7): under a supervisor, ``CKRUN_LEASE_EPOCH`` names the lease epoch
+the supervisor holds; every manifest and the completion marker record it and every
+commit, marker write and retention pass first checks that it is still the run's current
+epoch (:class:`ckrun.checkpoint.lease.Fence`), raising :class:`ckrun.errors.LeaseLost`
+(exit 2) otherwise.  The lease then replaces the machine-local writer lock.  Without a
+supervisor (no ``CKRUN_LEASE_EPOCH``) the Checkpointer runs unfenced.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.compat import compare, git_state, normalize, parse_allow_change
 from ckrun.checkpoint.discovery import completion, scan
 from ckrun.checkpoint.env import env_int, install_excepthook
+from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ShardInfo, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
@@ -39,6 +47,7 @@ from ckrun.errors import (
     ConfigError,
     CorruptCheckpoint,
     IncompatibleCheckpoint,
+    LeaseLost,
     ObjectNotFound,
     RunComplete,
     StorageError,
@@ -167,9 +176,10 @@ class Checkpointer:
         self._every, self._mtbi_s = parse_every(checkpoint_every), mtbi_s
         self._async: AsyncSaver | None = None  # issue 7: background persist
         self._auto: AutoInterval | None = None
+        self.fence = Fence.from_env(self.storage)
         self._lock = (
             WriterLock(self.storage, run=self.run, attempt=self.attempt)
-            if lock and self.rank == 0
+            if lock and self.rank == 0 and not self.fence.fenced
             else None
         )
 
@@ -369,6 +379,7 @@ class Checkpointer:
         """
         m = self._save(step, state, "final", metrics)
         if self.rank == 0:
+            self.fence.check(f"completion marker of step {step}")
             self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
         self._complete = True
         return m
@@ -450,7 +461,7 @@ class Checkpointer:
             )
         m = make((ShardInfo(key, self.rank, size, checksum),), layout.manifest_key(step, area))
         mkey = m.key
-        m = commit_manifest(self.storage, m)  # conditional create: one commit per step
+        m = commit_manifest(self.storage, m, self.fence)  # conditional create, fenced
         self._verified.add(mkey)
         self._written = m
         log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size, m.save_duration_s)
@@ -487,6 +498,7 @@ class Checkpointer:
                 "python": platform.python_version(),
             },
             compat_drift=tuple(self._drift),
+            lease_epoch=self.fence.epoch,
             key=mkey,
         )
 
@@ -554,6 +566,13 @@ class Checkpointer:
     def _retain(self, m: Manifest) -> None:
         if self.rank != 0:  # rank 0 alone deletes
             return
+        try:
+            self.fence.check(f"retention after step {m.step}")
+        except LeaseLost:
+            if self.world_size == 1:
+                raise
+            log.error("retention after step %d skipped: the lease moved on", m.step)
+            return  # the next collective commit refuses on every rank
         try:
             sc = scan(self.storage)
             broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]

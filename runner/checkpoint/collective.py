@@ -54,7 +54,7 @@ from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.checkpoint.state import restore
 from ckrun.checkpoint.verify import head_problems
-from ckrun.errors import CheckpointError, ConfigError
+from ckrun.errors import CheckpointError, ConfigError, LeaseLost
 
 if TYPE_CHECKING:
     from ckrun.checkpoint.checkpointer import Checkpointer
@@ -237,6 +237,8 @@ def persist(
     if own_error is not None:
         raise own_error
     status, body, mkey = outcome
+    if status == "lease_lost":
+        raise LeaseLost(str(body))
     if status != "ok":
         raise CheckpointError(
             f"collective save of step {step} failed, nothing committed "
@@ -279,8 +281,10 @@ def _commit(
             problems = head_problems(ck.storage, probe)
         if problems:
             return "error", "; ".join(problems), mkey
-        m = commit_manifest(ck.storage, make_manifest(shards, mkey))  # conditional create
+        m = commit_manifest(ck.storage, make_manifest(shards, mkey), ck.fence)  # fenced
         return "ok", m.dumps(), mkey
+    except LeaseLost as e:  # every rank raises LeaseLost (exit 2), not a storage error
+        return "lease_lost", str(e), mkey
     except Exception as e:  # broadcast, then every rank raises
         return "error", f"rank 0 could not commit: {type(e).__name__}: {e}", mkey
 

@@ -80,6 +80,9 @@ class Manifest:
         save_duration_s: seconds from the start of the save to the commit.
         versions: ``ckrun``, ``torch``, ``python`` versions of the writer.
         compat_drift: allowed or warned compat differences against ``resumed_from``.
+        lease_epoch: the run's lease epoch the writer held (fencing, DESIGN.md §7), or
+            None for a writer without a supervisor (the field is then omitted, so such a
+            manifest is byte-identical to one of earlier ckrun versions).
         key: where this manifest was read from or written to (not serialised).
     """
 
@@ -97,6 +100,7 @@ class Manifest:
     save_duration_s: float
     versions: dict[str, str] = field(default_factory=dict)
     compat_drift: tuple[str, ...] = ()
+    lease_epoch: int | None = None
     key: str = field(default="", compare=False)
 
     @property
@@ -111,7 +115,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object (format and version included)."""
-        return {
+        body: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "run": self.run,
@@ -129,6 +133,9 @@ class Manifest:
             "versions": self.versions,
             "compat_drift": list(self.compat_drift),
         }
+        if self.lease_epoch is not None:
+            body["lease_epoch"] = self.lease_epoch
+        return body
 
     def dumps(self) -> bytes:
         """Strict JSON bytes (``allow_nan=False``, sorted keys)."""
@@ -159,8 +166,12 @@ class Manifest:
         if not isinstance(obj, dict):
             raise CorruptCheckpoint(f"{where}: expected a JSON object", key=key)
         check_format(obj, FORMAT, FORMAT_VERSION, where)
-        expected = set(Manifest.__dataclass_fields__) - {"key"} | {"format", "format_version"}
+        expected = set(Manifest.__dataclass_fields__) - {"key", "lease_epoch"}
+        expected |= {"format", "format_version"} | ({"lease_epoch"} & obj.keys())
         _exact_fields(obj, expected, where)
+        epoch = obj.get("lease_epoch")
+        if epoch is not None and (not _is_int(epoch) or epoch < 1):
+            raise CorruptCheckpoint(f"{where}: lease_epoch must be an int >= 1", key=key)
         step = _typed(obj, "step", int, where)
         kind = _typed(obj, "kind", str, where)
         if kind not in KINDS or step < 0:
@@ -194,6 +205,7 @@ class Manifest:
             save_duration_s=float(duration),
             versions=_typed(obj, "versions", dict, where),
             compat_drift=tuple(str(d) for d in drift),
+            lease_epoch=epoch,
             key=key,
         )
 

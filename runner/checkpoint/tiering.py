@@ -100,6 +100,9 @@ class TieredStorage:
         self._busy = 0
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        from .lease import Fence
+
+        self.fence = Fence.from_env(self)  # the supervisor's epoch: remote commits fenced
 
     def __repr__(self) -> str:
         return f"TieredStorage(local={self.local.url!r}, remote={self.remote.url!r})"
@@ -234,6 +237,7 @@ class TieredStorage:
                 if kind == "checkpoint":
                     self.upload(item)
                 else:
+                    self.fence.check("remote completion marker")
                     self.remote.put(item, self.local.get(item))
             except Exception as e:  # logged and counted; the local commit stands
                 self.stats["failed"] += 1
@@ -281,6 +285,7 @@ class TieredStorage:
         t0 = time.monotonic()
         nbytes = sum(self._copy_shard(s) for s in m.shards)
         body = self.local.get(m.key)
+        self.fence.check(f"remote commit of step {m.step}")
         try:
             self.remote.put(m.key, body, if_absent=True)
         except ObjectExists:
@@ -333,6 +338,7 @@ class TieredStorage:
         return n
 
     def _retain_remote(self, m: Manifest) -> None:
+        self.fence.check(f"remote retention after step {m.step}")
         try:
             sc = scan(self.remote)
             broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
