@@ -225,6 +225,14 @@ def submit(
     default=None,
     help="Backend for requeue [autodetect: SLURM_JOB_ID, KUBERNETES_SERVICE_HOST].",
 )
+@click.option(
+    "--wait-for-lease",
+    "wait_for_lease",
+    default=None,
+    metavar="S",
+    help="Wait up to S seconds for another owner's lease to end, else exit 2 "
+    "[2 x lease_ttl_s for a cloud profile or a requeued job, else 0].",
+)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(
     run_name: str,
@@ -232,13 +240,16 @@ def run(
     allow_change: tuple[str, ...],
     profile: str | None,
     scheduler: str | None,
+    wait_for_lease: str | None,
     args: tuple[str, ...],
 ) -> int:
     """Supervise a run in this process (what Slurm, Kubernetes and boot scripts call)."""
     from ckrun.cli import commands as launch
 
     cmd = _command(args) if args else ()
-    cli = _cli_values(storage=storage, allow_change=allow_change)
+    cli = _cli_values(
+        storage=storage, allow_change=allow_change, wait_for_lease_s=wait_for_lease
+    )
     return int(launch.run(run_name, cli, cmd, profile=profile, scheduler=scheduler))
 
 

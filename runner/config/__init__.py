@@ -50,8 +50,11 @@ class RunConfig:
         profile: profile name the values were resolved from.
         scheduler: backend name (``local``, ``slurm``, ``k8s``).
         storage: storage base: a local directory or ``s3://bucket/prefix``.
-        state_dir: local directory for run.json, events.jsonl, control/ and locks/;
-            empty means the run root (required when ``storage`` is remote).
+        state_dir: local directory for run.json, events.jsonl, control/ and locks/
+            (a machine-local cache: budgets and history travel with the run in its
+            storage); empty means the run root for local storage, and
+            :func:`default_state_dir` (``$XDG_STATE_HOME/ckrun`` or
+            ``~/.local/state/ckrun``, per storage base) for remote storage.
         notice_signal: the signal that means "notice" to supervisor and child.
         grace_s: longest time from a notice to the child's exit, seconds.
         margin_s: TERM is sent ``margin_s`` before the notice deadline, seconds.
@@ -69,6 +72,15 @@ class RunConfig:
         nnodes: nodes of the job (one supervisor per node).
         allow_change: compat fields allowed to differ on resume (``--allow-change``).
         notice_sources: cloud notice pollers to run: any of ``aws``, ``gcp``, ``azure``.
+        lease_ttl_s: the run's lease expires after this many seconds without a renewal
+            (:mod:`ckrun.checkpoint.lease`); a dead holder on another machine blocks its
+            successor this long.
+        lease_heartbeat_s: seconds between lease renewals; 0: ``lease_ttl_s / 4``.
+        wait_for_lease_s: how long a starting supervisor waits for another owner's
+            lease to be released or to expire before exiting 2.  When not set anywhere
+            (source ``default``): ``2 * lease_ttl_s`` for a requeued or booting attempt on
+            a cloud profile (``notice_sources`` set, or ``SLURM_RESTART_COUNT`` > 0),
+            else 0 (exit 2 at once, naming the holder).
         options: the backend's frozen ``Options`` instance.
         cloud: keys of ``ckrun.cloud.CloudOptions`` set in the profile/env/CLI
             (``aws_poll_interval_s``, ...), handed to ``ckrun.cloud.build_sources``, and
@@ -97,6 +109,9 @@ class RunConfig:
     nnodes: int = 1
     allow_change: tuple[str, ...] = ()
     notice_sources: tuple[str, ...] = ()
+    lease_ttl_s: float = 60.0
+    lease_heartbeat_s: float = 0.0
+    wait_for_lease_s: float = 0.0
     options: Any = None
     cloud: Mapping[str, Any] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -116,11 +131,13 @@ class RunConfig:
         if self.state_dir:
             return os.path.join(self.state_dir, self.run)
         if not is_local_storage(self.storage):
-            raise ConfigError(
-                f"storage {self.storage!r} is remote: set state_dir (a local directory for "
-                "run.json, events and locks) in the profile or with CKRUN_STATE_DIR"
-            )
+            return os.path.join(default_state_dir(self.storage), self.run)
         return os.path.join(self.storage.removeprefix("file://"), self.run)
+
+    @property
+    def heartbeat_s(self) -> float:
+        """Seconds between lease renewals (``lease_heartbeat_s`` or ``lease_ttl_s / 4``)."""
+        return self.lease_heartbeat_s or self.lease_ttl_s / 4
 
     def launch_identity(self) -> dict[str, Any]:
         """What defines the experiment's launch: argv (argv[0] by basename).
@@ -177,6 +194,20 @@ class RunConfig:
             sources=dict(d.get("sources") or {}),
             cloud=dict(d.get("cloud") or {}),
         )
+
+
+def default_state_dir(storage: str, environ: Mapping[str, str] | None = None) -> str:
+    """The machine-local cache of runs on remote ``storage`` when no ``state_dir`` is set.
+
+    ``$XDG_STATE_HOME/ckrun/<host-part>-<hash>`` (XDG Base Directory Specification;
+    ``~/.local/state`` when unset), one directory per storage base so two buckets'
+    runs of one name never share a cache.
+    """
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", storage.split("://", 1)[-1]).strip("-")[:40]
+    digest = hashlib.sha256(storage.rstrip("/").encode()).hexdigest()[:8]
+    return os.path.join(base, "ckrun", f"{tag}-{digest}")
 
 
 def is_local_storage(url: str) -> bool:
@@ -455,6 +486,12 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"unknown notice_sources {bad}: valid are aws, gcp, azure")
     if cfg.grace_s <= cfg.margin_s:
         raise ConfigError(f"grace_s ({cfg.grace_s}) must exceed margin_s ({cfg.margin_s})")
+    if cfg.lease_ttl_s <= 0 or cfg.heartbeat_s * 2 > cfg.lease_ttl_s:
+        raise ConfigError(
+            f"lease_ttl_s ({cfg.lease_ttl_s:g}) must be > 0 and lease_heartbeat_s "
+            f"({cfg.heartbeat_s:g}) at most half of it (a live holder renews several "
+            "times per TTL)"
+        )
 
 
 def build_notice_sources(cfg: RunConfig) -> list[Any]:

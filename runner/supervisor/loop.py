@@ -18,6 +18,14 @@ Each round it
    the checkpoint itself, not the child's word);
 5. feeds a ``Tick`` (deadlines, backoff).
 
+Ownership (DESIGN.md §7): before anything else the supervisor acquires the run's lease
+(:mod:`ckrun.supervisor.ownership`; another live owner → wait or exit 2), gives the
+child its epoch (``CKRUN_LEASE_EPOCH``, fencing its commits), renews it from a heartbeat
+thread, checks it before every preflight, and releases it on exit.  A lost lease becomes
+a ``lease_lost`` notice: the child is told and drained, then exit 2, no requeue.  The
+restart budgets and the events are kept in the run's storage
+(:mod:`ckrun.supervisor.runstate`), so a fresh machine continues them.
+
 Stray processes left in the session after the direct child exited without a notice get
 ``grace_s`` to finish (they may be saving: a ``bash -c`` wrapper killed by a signal
 leaves the trainer behind), then TERM and, ``kill_delay_s`` later, KILL.
@@ -54,7 +62,9 @@ from ckrun.storage.base import Storage
 from ckrun.supervisor import machine as sm
 from ckrun.supervisor import process
 from ckrun.supervisor.machine import Phase, Policy, State, step
+from ckrun.supervisor.ownership import Ownership
 from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
+from ckrun.supervisor.runstate import COUNTERS, MirroredEventLog, RunRecord, RunState
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
 
@@ -101,6 +111,9 @@ class Supervisor:
         self._last_notice: Notice | None = None
         self._delivered: list[int] | None = None
         self._wake_r = -1
+        self.owner: Ownership | None = None
+        self.runstate: RunState | None = None
+        self._lost_sent = False
         self.state = sm.State(
             policy=sm.Policy(
                 max_requeues=cfg.max_requeues,
@@ -160,11 +173,38 @@ class Supervisor:
         Raises:
             CkrunError: storage unusable during preflight (exit 5), and similar.
         """
+        job = self.job
+        self.runstate = RunState(self.storage)
+        self.events = MirroredEventLog(self.rundir.events_path, self.cfg.run, self.runstate)
+        if job is not None and job.rank != 0:  # the node of rank 0 owns a multi-node run
+            return self._run_owned(self.runstate)
+        owner = self.owner = Ownership(
+            self.cfg,
+            self.storage,
+            job_id=job.job_id if job else None,
+            attempt=self._prior_attempts(),
+            say=self.say,
+        )
+        owner.acquire()  # before preflight; LeaseHeld: exit 2 naming the holder
+        try:
+            return self._run_owned(self.runstate.activate(owner.epoch))
+        finally:
+            owner.release()
+
+    def _run_owned(self, rec: RunState | RunRecord) -> int:
+        if isinstance(rec, RunState):
+            rec = rec.record
         restore = self._install()
         subreaper = process.become_subreaper()
         for stale in (PREEMPT_REQUEST, CANCEL_REQUEST):  # left by a dead supervisor
             self.rundir.take_request(stale)
-        self.state = dataclasses.replace(self.state, attempt=self._prior_attempts())
+        self.state = dataclasses.replace(
+            self.state,
+            attempt=max(self._prior_attempts(), rec.attempts),
+            preemptions=rec.preemptions,
+            failures=rec.failures,
+            no_progress=rec.no_progress,
+        )
         self.events.attempt = self.state.attempt
         job = self.job
         self.events.append(
@@ -175,6 +215,8 @@ class Supervisor:
             launch_hash=self.cfg.launch_hash(),
             job_id=job.job_id if job else None,
             rank=job.rank if job else 0,
+            lease_epoch=self.owner.epoch if self.owner else None,
+            budgets=rec.counters(),
         )
         if job is not None and job.backend != "local":
             self.say(
@@ -213,10 +255,24 @@ class Supervisor:
             if n is not None:  # a cloud/scheduler notice means this machine goes away
                 self._queue.append(self._notice_event(n, now, self_term=n.kind != DRILL))
         self._reap(now)
+        if self.owner is not None and self.owner.lost is not None and not self._lost_sent:
+            self._queue.append(self._lease_lost(self.owner.lost, now))
         self._queue.append(sm.Tick(time.monotonic()))
+
+    def _lease_lost(self, why: str, now: float) -> sm.NoticeEvent:
+        """The heartbeat found the lease taken over: tell the child, stop (exit 2)."""
+        self._lost_sent = True
+        self.say(why)
+        n = Notice.with_lead(TERMINATION, "lease:lost", self.cfg.grace_s, {"reason": why})
+        return self._notice_event(n, now, lease_lost=True)
 
     def _feed(self, ev: sm.Event) -> None:
         self.state, actions = sm.step(self.state, ev)
+        if self.runstate is not None:  # budgets travel with the run
+            s = self.state
+            self.runstate.update(
+                **{k: getattr(s, "attempt" if k == "attempts" else k) for k in COUNTERS}
+            )
         for a in actions:
             follow = self._execute(a)
             if follow is not None:
@@ -345,6 +401,11 @@ class Supervisor:
     def _preflight(self) -> sm.Event:
         from ckrun.supervisor.preflight import preflight
 
+        if self.owner is not None:
+            lost = self.owner.check()  # renew now: never start a child without the lease
+            if lost is not None:
+                return self._lease_lost(lost, time.monotonic())
+
         rep = preflight(self.cfg, self.rundir, self.storage)
         for w in rep.warnings:
             self.say("warning: " + w)
@@ -368,6 +429,9 @@ class Supervisor:
             CKRUN_ALLOW_CHANGE=",".join(cfg.allow_change),
         )
         env.update(storage_env(cfg))  # endpoint_url, s3_* from the profile
+        env.pop("CKRUN_LEASE_EPOCH", None)
+        if self.owner is not None and self.owner.epoch is not None:
+            env["CKRUN_LEASE_EPOCH"] = str(self.owner.epoch)  # fences the child's commits
         if resume_step is not None:
             env["CKRUN_RESUME_STEP"] = str(resume_step)
         return env

@@ -8,7 +8,7 @@ DESIGN.md §4.5.  No I/O, no clock, no processes: time arrives inside events as
 Phases::
 
     PREFLIGHT → RUNNING → DRAINING → STOPPING → COMPLETED | ALREADY_COMPLETE |
-    INCOMPATIBLE | FAILED | PREEMPTED | REQUEUE_FAILED | CANCELLED
+    INCOMPATIBLE | FAILED | PREEMPTED | REQUEUE_FAILED | CANCELLED | LEASE_LOST
 
 Two refinements of the table, both deliberate:
 
@@ -19,6 +19,10 @@ Two refinements of the table, both deliberate:
   (local backend → ``PREFLIGHT`` of the next attempt), requeued (exit 75/76) or failed
   (``REQUEUE_FAILED``, exit 6).  A SIGTERM aimed at the supervisor itself is never
   answered by restarting in the same process: the supervisor is being stopped.
+* A lost lease (another supervisor took the run over, DESIGN.md §7) arrives as a notice
+  with ``lease_lost``: the child is told and drained like a preemption (its commit is
+  refused by fencing), then the supervisor stops in ``LEASE_LOST`` with exit 2 and
+  never requeues or restarts: the run has another owner.
 
 Restart policy (DESIGN.md §3): preemptions count against ``max_requeues``; failures of
 the user's command against ``max_failures``; ``crash_loop_failures`` consecutive failures
@@ -74,6 +78,7 @@ class Phase(str, enum.Enum):
     PREEMPTED = "PREEMPTED"
     REQUEUE_FAILED = "REQUEUE_FAILED"
     CANCELLED = "CANCELLED"
+    LEASE_LOST = "LEASE_LOST"
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ class State:
     respawn_at: float | None = None
     cancel: bool = False
     self_term: bool = False
+    lease_lost: bool = False
     interrupted: int | None = None
     pending_code: int | None = None
     exit_code: int | None = None
@@ -165,6 +171,7 @@ TERMINAL = frozenset(
         Phase.FAILED,
         Phase.REQUEUE_FAILED,
         Phase.CANCELLED,
+        Phase.LEASE_LOST,
     }
 )
 
@@ -235,6 +242,8 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
             step=ev.step,
             diff=list(ev.diff),
         )
+    if s.lease_lost:
+        return _lost(s, "")
     if ev.outcome == "cancelled" or s.cancel:
         return _stop(
             s,
@@ -266,8 +275,24 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
     ]
 
 
+def _lost(s: State, ck: str) -> Result:
+    return _stop(
+        s,
+        Phase.LEASE_LOST,
+        ExitCode.USAGE,
+        "lease_lost",
+        "the run's lease was taken over by another supervisor: this one stops without "
+        "requeueing" + (f"; {ck}" if ck else ""),
+    )
+
+
 def _notice(s: State, ev: NoticeEvent) -> Result:
-    s = _r(s, cancel=s.cancel or ev.cancel, self_term=s.self_term or ev.self_term)
+    s = _r(
+        s,
+        cancel=s.cancel or ev.cancel,
+        self_term=s.self_term or ev.self_term or ev.lease_lost,
+        lease_lost=s.lease_lost or ev.lease_lost,
+    )
     what = f"notice {ev.source} ({ev.kind})"
     if s.phase in (Phase.DRAINING, Phase.STOPPING):
         dl = min(s.deadline or ev.deadline, ev.deadline)
@@ -486,6 +511,9 @@ def _preempted(
         "new_checkpoint": progress,
         "exit_code": int(code),
     }
+    if s.lease_lost:
+        s, more = _lost(s, ck)
+        return s, [*acts, *more]
     if s.cancel:
         s, more = _stop(s, Phase.CANCELLED, ExitCode.OK, "cancelled", f"cancelled; {ck}", **fields)
         return s, [*acts, *more]

@@ -1,0 +1,167 @@
+"""Run state that travels with the run: budgets and history in the run's storage.
+
+``supervisor/state.json`` (:data:`ckrun.checkpoint.layout.RUN_STATE`) beside the
+checkpoints holds what decides restarts — attempts started, preemptions, failures, the
+no-progress streak — and the newest :data:`MAX_EVENTS` supervisor events, so a fresh VM,
+a new pod or a requeued job continues the counts instead of starting at zero; the
+machine-local state directory (``events.jsonl``) is only a cache of it.
+
+Only the lease holder writes it, and each write is fenced like a commit
+(:class:`ckrun.checkpoint.lease.Fence`): a supervisor that lost the run's lease cannot
+overwrite its successor's counts.  A missing record is an empty one; an unreadable one is
+reported and replaced (the counts then restart, never the checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckrun.checkpoint import layout
+from ckrun.checkpoint.lease import Fence
+from ckrun.errors import LeaseLost, ObjectNotFound, StorageError
+from ckrun.notices import iso_utc, utcnow
+from ckrun.runlog import EventLog
+from ckrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ckrun.runstate"
+MAX_EVENTS = 500
+COUNTERS = ("attempts", "preemptions", "failures", "no_progress")
+
+
+@dataclass
+class RunRecord:
+    """Budgets and history of one run (see the module docstring).
+
+    Attributes:
+        attempts: attempts started (the next attempt's 0-based id).
+        preemptions, failures, no_progress: the restart budgets' counts.
+        events: the newest supervisor events (``events.jsonl`` lines), oldest first.
+        updated_utc: when the record was last written.
+    """
+
+    attempts: int = 0
+    preemptions: int = 0
+    failures: int = 0
+    no_progress: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    updated_utc: str = ""
+
+    def counters(self) -> dict[str, int]:
+        """The budget counts by name."""
+        return {k: int(getattr(self, k)) for k in COUNTERS}
+
+    def dumps(self) -> bytes:
+        body = {"format": FORMAT, "format_version": 1, **self.counters()}
+        body.update(events=self.events[-MAX_EVENTS:], updated_utc=self.updated_utc)
+        return json.dumps(body, default=str).encode()
+
+    @classmethod
+    def load(cls, storage: Storage) -> RunRecord:
+        """The run's record; an empty one when it has none or it is unreadable.
+
+        Raises:
+            StorageError: the storage failed (not a missing object).
+        """
+        try:
+            obj = json.loads(storage.get(layout.RUN_STATE))
+            if obj.get("format") != FORMAT:
+                raise ValueError(f"format {obj.get('format')!r}")
+            rec = cls()
+            for k in COUNTERS:
+                setattr(rec, k, int(obj.get(k) or 0))
+            rec.events = [e for e in obj.get("events") or [] if isinstance(e, dict)]
+            rec.updated_utc = str(obj.get("updated_utc") or "")
+            return rec
+        except ObjectNotFound:
+            return cls()
+        except (ValueError, TypeError, AttributeError) as e:
+            log.warning(
+                "%s in %s is unreadable (%s): budgets restart", layout.RUN_STATE, storage.url, e
+            )
+            return cls()
+
+
+class RunState:
+    """The supervisor's handle on the record: update counters, mirror events, save.
+
+    Args:
+        storage: the run root.
+        fence: checked before every write (the supervisor's lease epoch).
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.fence = Fence(storage, None)
+        self.record = RunRecord()
+        self.enabled = False  # writes start once the lease is held (:meth:`activate`)
+
+    def activate(self, epoch: int | None) -> RunRecord:
+        """Load the record as the lease holder of ``epoch`` left it and start saving;
+        events mirrored before this are kept (appended after the stored ones).
+
+        Raises:
+            StorageError: the storage failed.
+        """
+        pending = self.record.events
+        self.record = RunRecord.load(self.storage)
+        self.record.events.extend(pending)
+        self.fence = Fence(self.storage, epoch)
+        self.enabled = True
+        return self.record
+
+    def update(self, **counts: int) -> None:
+        """Set counters; saved when one changed."""
+        changed = {k: v for k, v in counts.items() if getattr(self.record, k) != v}
+        if changed:
+            for k, v in changed.items():
+                setattr(self.record, k, int(v))
+            self.save()
+
+    def event(self, body: dict[str, Any]) -> None:
+        """Mirror one event line into the record and save."""
+        self.record.events.append(body)
+        del self.record.events[:-MAX_EVENTS]
+        self.save()
+
+    def save(self) -> None:
+        """Write the record (fenced); storage errors are logged, never raised (the local
+        cache keeps the events; the next save carries them)."""
+        if not self.enabled:
+            return
+        self.record.updated_utc = iso_utc(utcnow())
+        try:
+            self.fence.check("run state update")
+            self.storage.put(layout.RUN_STATE, self.record.dumps())
+        except LeaseLost as e:
+            self.enabled = False
+            log.warning("run state not saved: %s", e)
+        except StorageError as e:
+            log.warning(
+                "saving the run state to %s failed (retried later): %s", self.storage.url, e
+            )
+
+
+class MirroredEventLog(EventLog):
+    """An :class:`~ckrun.runlog.EventLog` whose lines are also mirrored into the run's
+    record in storage (:class:`RunState`)."""
+
+    def __init__(self, path: str, run: str, state: RunState, attempt: int = 0) -> None:
+        super().__init__(path, run, attempt)
+        self.state = state
+
+    def append(
+        self,
+        kind: str,
+        *,
+        step: int | None = None,
+        seconds: float | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        body = super().append(kind, step=step, seconds=seconds, **fields)
+        self.state.event(body)
+        return body
