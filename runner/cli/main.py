@@ -247,9 +247,7 @@ def run(
     from ckrun.cli import commands as launch
 
     cmd = _command(args) if args else ()
-    cli = _cli_values(
-        storage=storage, allow_change=allow_change, wait_for_lease_s=wait_for_lease
-    )
+    cli = _cli_values(storage=storage, allow_change=allow_change, wait_for_lease_s=wait_for_lease)
     return int(launch.run(run_name, cli, cmd, profile=profile, scheduler=scheduler))
 
 
