@@ -79,8 +79,9 @@ class RunConfig:
         wait_for_lease_s: how long a starting supervisor waits for another owner's
             lease to be released or to expire before exiting 2.  When not set anywhere
             (source ``default``): ``2 * lease_ttl_s`` for a requeued or booting attempt on
-            a cloud profile (``notice_sources`` set, or ``SLURM_RESTART_COUNT`` > 0),
-            else 0 (exit 2 at once, naming the holder).
+            a cloud profile (``notice_sources`` set), a requeued Slurm job
+            (``SLURM_RESTART_COUNT`` > 0) or a Kubernetes pod, else 0 (exit 2 at once,
+            naming the holder).
         options: the backend's frozen ``Options`` instance.
         cloud: keys of ``ckrun.cloud.CloudOptions`` set in the profile/env/CLI
             (``aws_poll_interval_s``, ...), handed to ``ckrun.cloud.build_sources``, and

@@ -189,6 +189,7 @@ class Supervisor:
         try:
             return self._run_owned(self.runstate.activate(owner.epoch))
         finally:
+            self.runstate.flush()  # budgets and events reach storage while still owned
             owner.release()
 
     def _run_owned(self, rec: RunState | RunRecord) -> int:

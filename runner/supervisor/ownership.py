@@ -32,12 +32,13 @@ log = logging.getLogger(__name__)
 def wait_for_lease_s(cfg: RunConfig, environ: dict[str, str] | None = None) -> float:
     """Seconds to wait for the lease: the configured value, or the default of
     :attr:`ckrun.config.RunConfig.wait_for_lease_s` (``2 * lease_ttl_s`` for a booting or
-    requeued attempt on a cloud profile or a requeued Slurm job, else 0)."""
+    requeued attempt: a cloud profile, a requeued Slurm job, a Kubernetes pod; else 0)."""
     if cfg.sources.get("wait_for_lease_s", "default") != "default":
         return cfg.wait_for_lease_s
     env = os.environ if environ is None else environ
     requeued = env.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0")
-    return 2 * cfg.lease_ttl_s if cfg.notice_sources or requeued else 0.0
+    pod = bool(env.get("KUBERNETES_SERVICE_HOST"))  # every pod start is a (re)boot
+    return 2 * cfg.lease_ttl_s if cfg.notice_sources or requeued or pod else 0.0
 
 
 class Ownership:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,9 +91,12 @@ class RunRecord:
 class RunState:
     """The supervisor's handle on the record: update counters, mirror events, save.
 
+    Saves run on a background writer thread that always writes the newest snapshot
+    (coalescing bursts), so a slow storage request never delays the supervisor's loop on
+    the notice path; :meth:`flush` waits for it (before the lease is released).
+
     Args:
         storage: the run root.
-        fence: checked before every write (the supervisor's lease epoch).
     """
 
     def __init__(self, storage: Storage) -> None:
@@ -99,6 +104,10 @@ class RunState:
         self.fence = Fence(storage, None)
         self.record = RunRecord()
         self.enabled = False  # writes start once the lease is held (:meth:`activate`)
+        self._cv = threading.Condition()
+        self._pending: bytes | None = None
+        self._writing = False
+        self._thread: threading.Thread | None = None
 
     def activate(self, epoch: int | None) -> RunRecord:
         """Load the record as the lease holder of ``epoch`` left it and start saving;
@@ -112,6 +121,9 @@ class RunState:
         self.record.events.extend(pending)
         self.fence = Fence(self.storage, epoch)
         self.enabled = True
+        self._thread = threading.Thread(target=self._work, name="ckrun-runstate", daemon=True)
+        self._thread.start()
+        self.save()
         return self.record
 
     def update(self, **counts: int) -> None:
@@ -129,14 +141,44 @@ class RunState:
         self.save()
 
     def save(self) -> None:
-        """Write the record (fenced); storage errors are logged, never raised (the local
-        cache keeps the events; the next save carries them)."""
+        """Queue the current record for writing (never blocks on the storage)."""
         if not self.enabled:
             return
         self.record.updated_utc = iso_utc(utcnow())
+        with self._cv:
+            self._pending = self.record.dumps()
+            self._cv.notify_all()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued save was attempted; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self.enabled and (self._pending is not None or self._writing):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None:
+                    self._cv.wait()
+                body, self._pending, self._writing = self._pending, None, True
+            try:
+                self._write(body)
+            finally:
+                with self._cv:
+                    self._writing = False
+                    self._cv.notify_all()
+
+    def _write(self, body: bytes) -> None:
+        """Write one snapshot (fenced); errors are logged, never raised (the local cache
+        keeps the events; the next save carries them)."""
         try:
             self.fence.check("run state update")
-            self.storage.put(layout.RUN_STATE, self.record.dumps())
+            self.storage.put(layout.RUN_STATE, body)
         except LeaseLost as e:
             self.enabled = False
             log.warning("run state not saved: %s", e)

@@ -61,6 +61,7 @@ def test_wait_for_lease_default() -> None:
     assert wait_for_lease_s(_cfg(), {"SLURM_RESTART_COUNT": "1"}) == 4.0  # requeued job
     cloud = dataclasses.replace(_cfg(), notice_sources=("aws",))
     assert wait_for_lease_s(cloud, {}) == 4.0
+    assert wait_for_lease_s(_cfg(), {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == 4.0
     assert wait_for_lease_s(_cfg(wait_for_lease_s=7), {"SLURM_RESTART_COUNT": "1"}) == 7.0
 
 
