@@ -64,7 +64,13 @@ from ckrun.supervisor import process
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.ownership import Ownership
 from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
-from ckrun.supervisor.runstate import COUNTERS, MirroredEventLog, RunRecord, RunState
+from ckrun.supervisor.runstate import (
+    COUNTERS,
+    MirroredEventLog,
+    RunRecord,
+    RunState,
+    rebuild_cache,
+)
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
 
@@ -195,6 +201,8 @@ class Supervisor:
     def _run_owned(self, rec: RunState | RunRecord) -> int:
         if isinstance(rec, RunState):
             rec = rec.record
+        else:  # the owner: a fresh machine's cache starts with the run's history
+            rebuild_cache(self.rundir.events_path, rec)
         restore = self._install()
         subreaper = process.become_subreaper()
         for stale in (PREEMPT_REQUEST, CANCEL_REQUEST):  # left by a dead supervisor
