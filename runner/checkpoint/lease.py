@@ -298,8 +298,9 @@ class Lease:
         """
         t0 = self.clock()
         cur = read_lease(self.storage)
+        seen = self.clock()  # the version read was written before this instant
         if cur is None:
-            rec = self._record(1, 0)
+            rec = self._record(_first_epoch(self.storage), 0)
             try:
                 info = self.storage.put(layout.LEASE, rec.dumps(), if_absent=True)
             except ObjectExists:
@@ -308,8 +309,8 @@ class Lease:
         old, version = cur
         watch["record"] = old
         if watch.get("version") != version:
-            watch["version"], watch["since"] = version, t0
-        silent = t0 - float(watch["since"])
+            watch["version"], watch["since"] = version, seen
+        silent = seen - float(watch["since"])
         free = old.holder is None or silent >= old.ttl_s or old.holder.provably_dead()
         if not free:
             return None
@@ -416,6 +417,24 @@ class Lease:
             log.warning("run %s: releasing the lease failed (it expires): %s", self.run, e)
         self.epoch = None
         self._version = None
+
+
+def _first_epoch(storage: Storage) -> int:
+    """Epoch of a lease created from nothing: above the newest commit's epoch, so a lease
+    object deleted by hand never hands an old epoch (and its stale writers) back out."""
+    newest: str | None = None
+    for area in (layout.FINAL, layout.CHECKPOINTS):
+        keys = [o.key for o in storage.list(area) if o.key.endswith("/" + layout.MANIFEST)]
+        if keys:
+            newest = max(keys)
+            break
+    if newest is None:
+        return 1
+    try:
+        epoch = json.loads(storage.get(newest)).get("lease_epoch")
+    except (ObjectNotFound, ValueError, AttributeError):
+        return 1
+    return epoch + 1 if isinstance(epoch, int) and epoch >= 1 else 1
 
 
 def _holder_dict(rec: LeaseRecord | None) -> dict[str, Any]:

@@ -125,3 +125,19 @@ def test_unfenced_without_a_supervisor(tmp_path: Path, monkeypatch: pytest.Monke
     assert m.lease_epoch is None and "lease_epoch" not in json.loads(storage.get(m.key))
     assert not ck.fence.fenced
     ck.close()
+
+
+def test_a_deleted_lease_never_hands_an_old_epoch_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = LocalStorage(str(tmp_path / "run"))
+    clock = _Clock()
+    a = _hold(storage, clock)
+    monkeypatch.setenv(EPOCH_ENV, str(a.epoch))
+    ck = Checkpointer(storage, {"model_version": 1}, run="r1")
+    ck.save(1, _state())
+    storage.delete([layout.LEASE])  # someone "cleans up" the lock directory
+    b = Lease(storage, "r1", ttl_s=10, clock=clock, sleep=lambda s: None)
+    assert b.acquire().epoch == 2  # above the newest commit's epoch
+    with pytest.raises(LeaseLost):
+        ck.save(2, _state())
