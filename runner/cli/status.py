@@ -113,6 +113,31 @@ def _complete(rd: RunDir) -> bool:
     return cfg is not None and is_complete(open_run_storage(cfg))
 
 
+def _owner(rd: RunDir) -> dict[str, Any] | None:
+    """The run's lease holder from its storage (any machine), or None when not held."""
+    from ckrun.checkpoint.lease import read_lease
+    from ckrun.errors import CkrunError
+    from ckrun.supervisor.preflight import open_run_storage
+
+    cfg = rd.load_config()
+    if cfg is None:
+        return None
+    try:
+        cur = read_lease(open_run_storage(cfg))
+    except CkrunError as e:
+        return {"error": str(e)}
+    if cur is None or cur[0].holder is None:
+        return None
+    rec = cur[0]
+    assert rec.holder is not None
+    return {
+        "holder": rec.holder.describe(),
+        "epoch": rec.epoch,
+        "renewed_utc": rec.renewed_utc,
+        "expires_utc": rec.expires_utc,
+    }
+
+
 def scheduler_view(rd: RunDir) -> dict[str, Any] | None:
     """The scheduler's own record of a submitted job (Slurm: squeue/sacct state with
     PREEMPTED kept apart from FAILED, restarts, reason; Kubernetes: Job conditions and
@@ -180,6 +205,7 @@ def summarize(rd: RunDir) -> dict[str, Any]:
             if a["interruption"]
         ],
         "scheduler": scheduler_view(rd),
+        "owner": _owner(rd),
         "interval": status_line(rd.root),
     }
 
@@ -197,6 +223,14 @@ def render(s: dict[str, Any]) -> str:
         f"  wall {s['wall_s']:.1f} s, useful {s['useful_s']:.1f} s, "
         f"saving {s['saving_s']:.2f} s, goodput {gp}",
     ]
+    owner = s.get("owner")
+    if owner:
+        lines.append(
+            f"  owner: {owner['holder']} (lease epoch {owner['epoch']}, renewed "
+            f"{owner['renewed_utc']}, expires ~{owner['expires_utc']} by its clock)"
+            if "holder" in owner
+            else f"  owner: unknown ({owner['error']})"
+        )
     if s.get("interval"):
         lines.append("  " + s["interval"])
     job = s.get("scheduler")

@@ -191,7 +191,7 @@ def _trained_past_a_commit(a: Machine, run: Run) -> None:
 def test_second_machine_exits_2_naming_the_holder_and_never_trains(
     run: Run, machines: Callable[..., Machine]
 ) -> None:
-    a, b = machines("machine-a"), machines("machine-b")
+    a, b = machines("machine-a", step_sleep_s=0.3), machines("machine-b")
     a.start()
     wait_for(lambda: a.progress().get("step", 0) >= 5, 120, "machine-a training")
     for extra in ((), ("--wait-for-lease", "1")):  # exit at once; wait 1 s, then exit
@@ -201,7 +201,16 @@ def test_second_machine_exits_2_naming_the_holder_and_never_trains(
         assert f"pid {a.proc.pid if a.proc else '?'}" in r.stderr and "epoch 1" in r.stderr
         assert "owned by host" in r.stderr
     assert not (b.root / "progress.json").exists()  # B never started the command
-    assert a.finish() == 0, a.stderr()[-3000:]
+    assert a.proc is not None and a.proc.poll() is None, "machine-a ended too early"
+    st = subprocess.run([CKRUN, "status", "r1", "--storage", run.url], env=b.env, cwd=b.root,
+                        timeout=60, capture_output=True, text=True)  # fmt: skip
+    assert st.returncode == 0, st.stderr
+    assert "owner: host" in st.stdout and f"pid {a.proc.pid}" in st.stdout  # from storage
+    assert a.proc.poll() is None, "machine-a ended too early"
+    os.kill(a.proc.pid, signal.SIGTERM)  # A is stopped: it commits and releases the lease
+    assert a.finish() == 75, a.stderr()[-3000:]
+    lease = read_lease(run.storage)
+    assert lease is not None and lease[0].epoch == 1 and lease[0].holder is None  # released
     assert {m.lease_epoch for m in run.manifests().values()} <= {1}
 
 
