@@ -45,19 +45,18 @@ import random
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from ckrun.checkpoint import layout
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.commit import commit_manifest
+from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.checkpoint.state import restore
 from ckrun.checkpoint.verify import head_problems
 from ckrun.errors import CheckpointError, ConfigError, LeaseLost
-
-if TYPE_CHECKING:
-    from ckrun.checkpoint.checkpointer import Checkpointer
+from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
 
@@ -193,14 +192,37 @@ class _Report:
     error: str | None
 
 
-def _write_own(ck: Checkpointer, step: int, snap: fmt.Snapshot, area: layout.Area) -> _Report:
+class RankWriter(Protocol):
+    """What a collective save reads of the saving rank (the Checkpointer's
+    :class:`~ckrun.checkpoint.pipeline.CommitContext`)."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+    @property
+    def run(self) -> str: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def group(self) -> Group: ...
+
+    @property
+    def fence(self) -> Fence | None: ...
+
+
+def _write_own(ck: RankWriter, step: int, snap: fmt.Snapshot, area: layout.Area) -> _Report:
     key = layout.shard_key(step, ck.rank, ck.attempt, area)
     size, checksum = fmt.write_object(ck.storage.open_write(key), snap)
     return _Report(key, size, checksum, None)
 
 
 def persist(
-    ck: Checkpointer,
+    ck: RankWriter,
     step: int,
     snap: fmt.Snapshot,
     *,
@@ -210,7 +232,7 @@ def persist(
     """Steps 2-4 of a collective save (module docstring); every rank calls it.
 
     Args:
-        ck: the rank's Checkpointer (``rank``, ``world_size``, ``storage``, ``attempt``).
+        ck: the rank's commit context (``storage``, ``run``, ``attempt``, ``rank``, ``group``).
         step: the step being saved (the same on every rank).
         snap: this rank's snapshot.
         kind: ``recovery``, ``milestone`` or ``final``.
@@ -250,7 +272,7 @@ def persist(
 
 
 def _commit(
-    ck: Checkpointer,
+    ck: RankWriter,
     step: int,
     area: layout.Area,
     reports: list[_Report],

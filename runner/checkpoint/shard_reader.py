@@ -23,8 +23,8 @@ import torch
 from ckrun.checkpoint.crc import combine as crc_combine
 from ckrun.checkpoint.manifest import UnsupportedFormat
 from ckrun.checkpoint.shard import (
-    _DTYPES,
     DATA_ALIGN,
+    DTYPES,
     FORMAT,
     FORMAT_VERSION,
     MAGIC,
@@ -32,8 +32,8 @@ from ckrun.checkpoint.shard import (
     PREFIX,
     TAG,
     HostArray,
-    _align,
-    _bytes_view,
+    align_up,
+    bytes_view,
 )
 from ckrun.errors import CheckpointError, CorruptCheckpoint
 
@@ -165,7 +165,7 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
     if crc32c.crc32c(header) != hcrc:
         raise CorruptCheckpoint(f"{key}: header checksum mismatch (damaged header)", key=key)
     meta = _parse_header(bytes(header), key)
-    data_offset = _align(PREFIX.size + hlen, DATA_ALIGN)
+    data_offset = align_up(PREFIX.size + hlen, DATA_ALIGN)
     if data_offset + meta["data_bytes"] != size_bytes:
         raise CorruptCheckpoint(
             f"{key}: header describes {data_offset + meta['data_bytes']} bytes, "
@@ -180,7 +180,7 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
             segs.append(memoryview(bytearray(entry["offset"] - pos)))
         t = _alloc(entry, key)
         if entry["nbytes"]:
-            segs.append(_bytes_view(t))
+            segs.append(bytes_view(t))
         tensors.append(t)
         pos = entry["offset"] + entry["nbytes"]
     if pos < meta["data_bytes"]:
@@ -243,7 +243,7 @@ def _alloc(e: dict[str, Any], key: str) -> HostArray:
         if dt.hasobject or math.prod(shape) * dt.itemsize != e["nbytes"]:
             raise CorruptCheckpoint(f"{key}: inconsistent array entry {e!r:.120}", key=key)
         return cast(HostArray, np.empty(shape, dtype=dt))
-    dtype = _DTYPES.get(e.get("dtype", ""))
+    dtype = DTYPES.get(e.get("dtype", ""))
     if dtype is None:
         raise CorruptCheckpoint(f"{key}: unknown tensor dtype {e.get('dtype')!r}", key=key)
     if math.prod(shape) * dtype.itemsize != e["nbytes"]:
@@ -279,7 +279,7 @@ def _decode_tag(tag: str, v: dict[str, Any], tensors: list[Any], key: str) -> An
     if tag == "bytes":
         return base64.b64decode(v["b64"])
     if tag == "dtype":
-        return _DTYPES[v["v"]]
+        return DTYPES[v["v"]]
     if tag == "device":
         return torch.device(v["v"])
     if tag == "npscalar":

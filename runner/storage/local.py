@@ -20,174 +20,26 @@ Measurements: bench/README.md.
 from __future__ import annotations
 
 import builtins
-import ctypes
 import errno
-import fcntl
-import hashlib
 import os
-import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO
 
-from ckrun.errors import (
-    ObjectExists,
-    ObjectNotFound,
-    PreconditionFailed,
-    StorageError,
-    map_os_error,
+from ckrun.errors import ObjectNotFound, StorageError, map_os_error
+from ckrun.storage.base import ObjectInfo, ObjectWriter
+from ckrun.storage.direct import ArenaWriter, DirectWriter
+from ckrun.storage.local_writer import (
+    TEMP_PREFIX,
+    WRITE_BEHIND_BYTES,
+    DirectUnsupported,
+    LocalWriter,
+    fsync_dir,
+    object_path,
+    read_versioned,
 )
-from ckrun.storage.base import ObjectInfo, validate_key
 
-TEMP_PREFIX = ".ckrun-tmp-"
-WRITE_BEHIND_BYTES = 32 * 1024 * 1024
-_MAX_WRITE = 1 << 30  # Linux writes at most 0x7ffff000 bytes per call
-
-_SFR_WAIT_BEFORE = 1
-_SFR_WRITE = 2
-_SFR_WAIT_AFTER = 4
-
-
-def _load_sync_file_range() -> object | None:
-    """``sync_file_range`` from libc via ctypes (releases the GIL), or None."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class DirectUnsupported(StorageError):
-    """The filesystem refused ``O_DIRECT`` (e.g. tmpfs); the caller falls back."""
-
-
-class LocalWriter:
-    """A streaming write to one key; see :class:`ckrun.storage.base.ObjectWriter`.
-
-    Attributes:
-        key: the destination key.
-        bytes_written: bytes written so far.
-    """
-
-    def __init__(
-        self, storage: LocalStorage, key: str, *, write_behind: bool = True, extra_flags: int = 0
-    ):
-        self.key = key
-        self._storage = storage
-        self._final = storage._path(key)
-        d = os.path.dirname(self._final)
-        storage._makedirs(d)
-        name = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(key)}"
-        self._tmp = os.path.join(d, name)
-        try:
-            self._fd: int | None = os.open(
-                self._tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags,
-                0o644,
-            )
-        except OSError as e:
-            if extra_flags and e.errno == errno.EINVAL:
-                raise DirectUnsupported(f"{d} does not support O_DIRECT") from e
-            raise map_os_error(e, path=self._final) from e
-        self.bytes_written = 0
-        self._behind = write_behind and _sync_file_range is not None
-        self._flushed = 0  # bytes handed to sync_file_range(WRITE)
-        self._waited = 0  # bytes known written back
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        """Append ``data`` (any size); returns ``len(data)`` in bytes.
-
-        Raises:
-            StorageFull: ENOSPC/EDQUOT, naming the key and the bytes of this write.
-            StorageError: any other I/O error.
-        """
-        if self._fd is None:
-            raise StorageError(f"write to {self.key} after commit/abort")
-        mv = memoryview(data).cast("B")
-        n = len(mv)
-        step = WRITE_BEHIND_BYTES if self._behind else _MAX_WRITE
-        done = 0
-        try:
-            while done < n:
-                k = os.write(self._fd, mv[done : done + step])
-                done += k
-                self.bytes_written += k
-                if self._behind and self.bytes_written - self._flushed >= WRITE_BEHIND_BYTES:
-                    self._write_behind()
-        except OSError as e:
-            raise map_os_error(e, path=self._final, nbytes=n) from e
-        return n
-
-    def _write_behind(self) -> None:
-        """Start write-back of the new window; wait for the one before the previous."""
-        assert self._fd is not None and _sync_file_range is not None
-        fn = _sync_file_range
-        start, end = self._flushed, self.bytes_written
-        fn(self._fd, start, end - start, _SFR_WRITE)  # type: ignore[operator]
-        if start - self._waited >= WRITE_BEHIND_BYTES:
-            w0, w1 = self._waited, start
-            flags = _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER
-            fn(self._fd, w0, w1 - w0, flags)  # type: ignore[operator]
-            # the pages are clean now: drop them so a big save does not evict the cache
-            os.posix_fadvise(self._fd, w0, w1 - w0, os.POSIX_FADV_DONTNEED)
-            self._waited = w1
-        self._flushed = end
-
-    def commit(self) -> ObjectInfo:
-        """fsync, rename over the final key, fsync the directory; returns its info.
-
-        Raises:
-            StorageFull, StorageError: the write could not be made durable; the temp
-                file is removed and nothing appears under the key.
-        """
-        if self._fd is None:
-            raise StorageError(f"commit of {self.key} after commit/abort")
-        try:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
-            os.replace(self._tmp, self._final)
-            _fsync_dir(os.path.dirname(self._final))
-        except OSError as e:
-            self.abort()
-            raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
-        return ObjectInfo(self.key, self.bytes_written, time.time())
-
-    def abort(self) -> None:
-        """Close and remove the temp file; idempotent."""
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
-        try:
-            os.unlink(self._tmp)
-        except OSError:
-            pass
-
-    def __enter__(self) -> LocalWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is not None:
-            self.abort()
-        elif self._fd is not None:
-            self.commit()
+__all__ = ["WRITE_BEHIND_BYTES", "DirectUnsupported", "LocalStorage", "LocalWriter"]
 
 
 class LocalStorage:
@@ -219,34 +71,34 @@ class LocalStorage:
         return f"LocalStorage({self.root!r})"
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *validate_key(key).split("/"))
-
-    def _makedirs(self, d: str) -> None:
-        """Create ``d`` and fsync each new entry's parent so the directories persist."""
-        missing: list[str] = []
-        cur = d
-        while not os.path.isdir(cur) and cur != self.root:
-            missing.append(cur)
-            cur = os.path.dirname(cur)
-        for m in reversed(missing):
-            try:
-                os.mkdir(m)
-            except FileExistsError:
-                continue
-            except OSError as e:
-                raise map_os_error(e, path=m) from e
-            _fsync_dir(os.path.dirname(m))
+        return object_path(self.root, key)
 
     def open_write(self, key: str) -> LocalWriter:
         """Start a streaming, atomic write to ``key`` (see :class:`LocalWriter`)."""
         if self.direct:
-            from ckrun.storage.direct import DirectWriter
-
             try:
                 return DirectWriter(self, key)
             except DirectUnsupported:
                 self.direct = False
         return LocalWriter(self, key, write_behind=self.write_behind)
+
+    def in_place_writer(self, base: int, length: int) -> Callable[[str], ObjectWriter] | None:
+        """``O_DIRECT`` shard writers straight from ``length`` bytes of page-aligned memory
+        at ``base`` (:class:`~ckrun.storage.base.WritesInPlace`); None when ``direct`` is
+        off, or for a subclass (it keeps its own ``open_write``).  Where the filesystem
+        refuses ``O_DIRECT`` the factory turns ``direct`` off and opens buffered writers."""
+        if type(self) is not LocalStorage or not self.direct:
+            return None
+
+        def open_shard(key: str) -> ObjectWriter:
+            if self.direct:
+                try:
+                    return ArenaWriter(self, key, base, length)
+                except DirectUnsupported:
+                    self.direct = False
+            return self.open_write(key)
+
+        return open_shard
 
     def put(
         self,
@@ -261,61 +113,19 @@ class LocalStorage:
         Args:
             if_absent: create only; ``ObjectExists`` when the key exists (``link(2)``
                 fails with EEXIST instead of replacing).
-            if_match: replace only the version ``if_match`` (compare-and-swap under an
-                exclusive ``flock(2)`` of the key's directory: read the current
-                version, compare, rename over it); ``PreconditionFailed`` otherwise.
-                ``flock`` is local to one kernel: on NFS use S3 (or a filesystem whose
-                ``flock`` is cluster-wide, e.g. Lustre with ``-o flock``).
-
-        Raises:
-            ObjectExists, PreconditionFailed: the condition failed; nothing changed.
-            StorageFull, StorageError: the write failed; the old object is intact.
+            if_match: replace only that version (compare-and-swap, see
+                :meth:`LocalWriter.commit_if_match`); ``PreconditionFailed`` otherwise.
         """
-        if if_absent and if_match is not None:
-            raise ValueError("put: if_absent and if_match are exclusive")
         w = LocalWriter(self, key, write_behind=False)
         try:
             w.write(data)
-            if not if_absent and if_match is None:
-                return w.commit()
-            assert w._fd is not None
-            os.fsync(w._fd)
-            version = _version(os.fstat(w._fd), data)
-            os.close(w._fd)
-            w._fd = None
             if if_match is not None:
-                self._swap(w._tmp, w._final, key, if_match)
-            else:
-                try:
-                    os.link(w._tmp, w._final)
-                except FileExistsError as e:
-                    raise ObjectExists(
-                        f"{key} already exists in {self.url}: a conditional create lost the race"
-                    ) from e
-            _fsync_dir(os.path.dirname(w._final))
-            return ObjectInfo(key, len(memoryview(data).cast("B")), time.time(), version)
-        except OSError as e:
-            raise map_os_error(e, path=w._final) from e
+                if if_absent:
+                    raise ValueError("put: if_absent and if_match are exclusive")
+                return w.commit_if_match(if_match)
+            return w.commit(if_absent=if_absent)
         finally:
             w.abort()  # closes a still-open temp file and removes it; no-op after commit
-
-    def _swap(self, tmp: str, final: str, key: str, if_match: str) -> None:
-        """Rename ``tmp`` over ``final`` if ``final``'s version is ``if_match`` (locked)."""
-        dfd = os.open(os.path.dirname(final), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(dfd, fcntl.LOCK_EX)
-            try:
-                current = self.get_versioned(key)[1]
-            except ObjectNotFound:
-                current = None
-            if current != if_match:
-                raise PreconditionFailed(
-                    f"{key} in {self.url} changed (version {current or 'absent'}, expected "
-                    f"{if_match}): a conditional update lost the race"
-                )
-            os.replace(tmp, final)
-        finally:
-            os.close(dfd)  # releases the flock
 
     def get_versioned(self, key: str) -> tuple[bytes, str]:
         """The object and its version token (inode, mtime, content hash) of one open.
@@ -324,9 +134,7 @@ class LocalStorage:
             ObjectNotFound: ``key`` does not exist.
         """
         try:
-            with open(self._path(key), "rb") as f:
-                data = f.read()
-                return data, _version(os.fstat(f.fileno()), data)
+            return read_versioned(self._path(key))
         except OSError as e:
             raise _read_error(e, key, self.url) from e
 
@@ -460,17 +268,6 @@ class LocalStorage:
         return removed
 
 
-def _version(st: os.stat_result, data: bytes | memoryview) -> str:
-    """A file's version token: inode, mtime (ns) and the first 64 bits of its SHA-256.
-
-    A conditional write always renames a new file (new inode while the old one exists),
-    so a token names one write; the content hash keeps a reused inode number with a
-    coarse mtime from ever matching an older token for different bytes.
-    """
-    digest = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
-    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{digest}"
-
-
 def _is_regular(mode: int) -> bool:
     import stat
 
@@ -479,7 +276,7 @@ def _is_regular(mode: int) -> bool:
 
 def _fsync_dir_quiet(d: str) -> None:
     try:
-        _fsync_dir(d)
+        fsync_dir(d)
     except OSError:
         pass
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import crc32c
 from ckrun.errors import (
@@ -34,10 +34,7 @@ from ckrun.errors import (
     StoragePermissionError,
 )
 from ckrun.storage.base import ObjectInfo
-
-if TYPE_CHECKING:
-    from ckrun.storage.s3 import S3Options, S3Storage
-
+from ckrun.storage.s3_options import S3Options
 
 #: User metadata key holding the object's CRC32C (single PUTs), read back by every GET so
 #: the check does not depend on the store returning ``x-amz-checksum-crc32c``.
@@ -77,6 +74,20 @@ class RateLimiter:
             time.sleep(wait)
 
 
+class S3Bucket(Protocol):
+    """What :class:`S3Writer` uses of its storage (:class:`ckrun.storage.s3.S3Storage`)."""
+
+    @property
+    def options(self) -> S3Options: ...
+
+    @property
+    def limiter(self) -> RateLimiter: ...
+
+    def object_key(self, key: str) -> str: ...
+
+    def call(self, op: str, key: str, **kw: Any) -> Any: ...
+
+
 class S3Writer:
     """A streaming write to one key (see :class:`ckrun.storage.base.ObjectWriter`).
 
@@ -96,7 +107,7 @@ class S3Writer:
 
     def __init__(
         self,
-        storage: S3Storage,
+        storage: S3Bucket,
         key: str,
         *,
         if_absent: bool = False,
@@ -223,14 +234,14 @@ class S3Writer:
             if self._if_match is None:
                 raise
             raise PreconditionFailed(
-                f"{self._s.url}/{self.key} changed or is gone (expected version "
+                f"{self._obj} changed or is gone (expected version "
                 f"{self._if_match}): a conditional update lost the race"
             ) from exc
         except StorageError as exc:
             self.abort()
             if self._if_match is not None and "ConditionalRequestConflict" in str(exc):
                 raise PreconditionFailed(
-                    f"{self._s.url}/{self.key}: a concurrent conditional write won"
+                    f"{self._obj}: a concurrent conditional write won"
                 ) from exc
             raise
         except BaseException:

@@ -243,3 +243,24 @@ def test_lease_lives_in_the_remote_tier_and_fences_uploads(moto_s3, tmp_path, mo
         with pytest.raises(ckrun.errors.LeaseLost):
             t.upload(committed)  # and so is a remote commit (and the retention after it)
     assert steps_in(t.local) == [1] and steps_in(t.remote) == [1]
+
+
+def test_the_storage_factory_reads_no_environment_and_ckrun_open_storage_does(
+    moto_s3, tmp_path, monkeypatch
+) -> None:
+    """ckrun.storage.open_storage is the storage layer's factory: CKRUN_LOCAL_TIER plays
+    no part; ckrun.open_storage (the public name) adds the local tier it names, or the
+    one passed as local_tier."""
+    from ckrun.storage import open_storage
+    from ckrun.storage.s3 import S3Storage
+
+    url = f"s3://{moto_s3.new_bucket()}/runs/r8"
+    monkeypatch.setenv("CKRUN_LOCAL_TIER", str(tmp_path / "nvme"))
+    assert type(open_storage(url)) is S3Storage
+    t = ckrun.open_storage(url)
+    assert isinstance(t, TieredStorage) and t.local.url == str(tmp_path / "nvme" / "r8")
+    monkeypatch.delenv("CKRUN_LOCAL_TIER")
+    assert type(ckrun.open_storage(url)) is S3Storage
+    t = ckrun.open_storage(url, local_tier=str(tmp_path / "ssd"))
+    assert isinstance(t, TieredStorage) and t.local.url == str(tmp_path / "ssd" / "r8")
+    assert type(ckrun.open_storage(str(tmp_path / "run"))) is LocalStorage
