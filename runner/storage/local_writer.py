@@ -264,12 +264,9 @@ class LocalWriter:
         conditional objects: the bytes are read back to hash them)."""
         assert self._fd is not None
         os.fsync(self._fd)
-        version = None
-        if versioned:
-            version = version_of(os.fstat(self._fd), os.pread(self._fd, self.bytes_written, 0))
         os.close(self._fd)
         self._fd = None
-        return version
+        return read_versioned(self._tmp)[1] if versioned else None  # the fd is write-only
 
     def abort(self) -> None:
         """Close and remove the temp file; idempotent."""

@@ -172,8 +172,7 @@ def test_emergency_upload_that_cannot_finish_is_not_started(moto_s3, tmp_path) -
 
 _CHILD = textwrap.dedent("""
     import sys, torch, ckrun
-    from ckrun.checkpoint.manifest import Manifest
-from ckrun.checkpoint.tiering import TieredStorage, UploadPolicy
+    from ckrun.checkpoint.tiering import TieredStorage, UploadPolicy
     from ckrun.storage.local import LocalStorage
     from ckrun.storage.s3 import S3Storage
     t = TieredStorage(LocalStorage(sys.argv[1]), S3Storage.from_url(sys.argv[2]),
