@@ -69,7 +69,6 @@ from ckrun.supervisor.runstate import (
     MirroredEventLog,
     RunRecord,
     RunState,
-    rebuild_cache,
 )
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
@@ -201,8 +200,6 @@ class Supervisor:
     def _run_owned(self, rec: RunState | RunRecord) -> int:
         if isinstance(rec, RunState):
             rec = rec.record
-        else:  # the owner: a fresh machine's cache starts with the run's history
-            rebuild_cache(self.rundir.events_path, rec)
         restore = self._install()
         subreaper = process.become_subreaper()
         for stale in (PREEMPT_REQUEST, CANCEL_REQUEST):  # left by a dead supervisor

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -187,27 +186,6 @@ class RunState:
             log.warning(
                 "saving the run state to %s failed (retried later): %s", self.storage.url, e
             )
-
-
-def rebuild_cache(events_path: str, record: RunRecord) -> int:
-    """Write the record's events into an empty or missing local ``events.jsonl`` (a fresh
-    machine's cache, so ``ckrun status`` sees the run's history); returns lines written.
-
-    Raises:
-        OSError: the state directory cannot be written.
-    """
-    try:
-        if os.path.getsize(events_path) > 0:
-            return 0
-    except FileNotFoundError:
-        pass
-    if not record.events:
-        return 0
-    os.makedirs(os.path.dirname(events_path) or ".", exist_ok=True)
-    lines = "".join(json.dumps(e, default=str) + "\n" for e in record.events)
-    with open(events_path, "a", encoding="utf-8") as f:
-        f.write(lines)
-    return len(record.events)
 
 
 class MirroredEventLog(EventLog):

@@ -281,8 +281,7 @@ def test_budgets_continue_across_three_machines(run: Run, machines: Callable[...
         assert m.proc is not None
         os.kill(m.proc.pid, signal.SIGTERM)  # the machine is being stopped
         assert m.finish() == 75, m.stderr()[-3000:]
-        evs = m.events()  # the fresh machine's cache starts with the run's history
-        assert [e["kind"] for e in evs].count("supervisor_start") == i
+        evs = m.events()
         pre = [e for e in evs if e["kind"] == "preempted"][-1]
         assert f"requeue {i}/2" in pre["message"]
         assert ("budget spent" in pre["message"]) == (i == 3)
@@ -290,5 +289,5 @@ def test_budgets_continue_across_three_machines(run: Run, machines: Callable[...
         assert start["budgets"]["preemptions"] == i - 1 and start["budgets"]["attempts"] == i - 1
     state = json.loads(run.storage.get(layout.RUN_STATE))
     assert state["preemptions"] == 3 and state["attempts"] == 3
-    kinds = [e["kind"] for e in state["events"]]
+    kinds = [e["kind"] for e in state["events"]]  # the history travels with the run
     assert kinds.count("supervisor_start") == 3 and kinds.count("preempted") == 3
