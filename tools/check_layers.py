@@ -36,7 +36,7 @@ PACKAGE = "ckrun"
 
 # (layer name, first-level names under ckrun that belong to it), lowest first.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("errors/notices", ("errors", "notices", "version", "options")),
+    ("errors/notices", ("errors", "notices", "version", "options", "enums")),
     ("storage", ("storage",)),  # fsutil lives here: control writes its files with it
     ("control/runlog", ("control", "runlog")),
     ("checkpoint", ("checkpoint",)),

@@ -53,7 +53,7 @@ from typing import Any
 from ckrun.checkpoint import pipeline
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.host_buffers import HostBuffers
-from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
 from ckrun.errors import CheckpointError
 
@@ -245,7 +245,7 @@ class AsyncSaver:
         from ckrun.control import read_notice
 
         h = self._inflight
-        notice = read_notice() if h is not None and kind != "final" else None
+        notice = read_notice() if h is not None and kind != ManifestKind.FINAL else None
         if notice is None:
             self.drain()
             return None

@@ -42,7 +42,7 @@ from ckrun.checkpoint.env import (
 )
 from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
-from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle
 from ckrun.checkpoint.state import state_compat
@@ -293,7 +293,7 @@ class Checkpointer:
         Raises:
             RunComplete: already finalized.  Storage errors as :meth:`save`.
         """
-        m = self._save(step, state, "final", metrics)
+        m = self._save(step, state, ManifestKind.FINAL, metrics)
         if self.rank == 0:
             self._ctx.check_fence(f"completion marker of step {step}")
             self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())

@@ -1,4 +1,4 @@
-"""Collective checkpoints of a ``torch.distributed`` job (issue 8; DESIGN.md §3).
+"""Collective checkpoints of a ``torch.distributed`` job (DESIGN.md §3).
 
 Save (every rank calls :meth:`Checkpointer.save` at the same step, e.g. after
 ``preemption_requested(sync=True)`` agreed on it):
@@ -32,7 +32,7 @@ rank-local state follows :data:`RANK_LOCAL_POLICY`, recorded in every manifest:
   ``sha256("seed:step:rank")`` (first 8 bytes), deterministic for a given resume.
 
 Sharded tensors (``DTensor``, FSDP sharded state dicts) are refused at save with a fix
-(save a full state dict); torch.distributed.checkpoint resharding is not wired in yet.
+(save a full state dict): every shard holds the full replicated state.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from ckrun.checkpoint import layout
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.lease import Fence
-from ckrun.checkpoint.manifest import Manifest, ShardInfo
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 from ckrun.checkpoint.state import restore
 from ckrun.checkpoint.verify import head_problems
 from ckrun.errors import CheckpointError, ConfigError, LeaseLost
@@ -226,7 +226,7 @@ def persist(
     step: int,
     snap: fmt.Snapshot,
     *,
-    kind: str,
+    kind: ManifestKind,
     make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
 ) -> Manifest:
     """Steps 2-4 of a collective save (module docstring); every rank calls it.
@@ -245,7 +245,7 @@ def persist(
         StorageError: this rank's own write failed (re-raised after the others heard).
         CheckpointError: another rank failed, or rank 0's check of the shards did.
     """
-    area: layout.Area = "final" if kind == "final" else "checkpoints"
+    area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
     own_error: BaseException | None = None
     try:
         rep = _write_own(ck, step, snap, area)
@@ -289,7 +289,7 @@ def _commit(
             probe = Manifest(
                 run=ck.run,
                 step=step,
-                kind="recovery",
+                kind=ManifestKind.RECOVERY,
                 attempt=ck.attempt,
                 world_size=len(shards),
                 shards=shards,

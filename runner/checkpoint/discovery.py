@@ -15,7 +15,7 @@ from typing import Any
 
 from ckrun.checkpoint import layout
 from ckrun.checkpoint.compat import compare, normalize
-from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.manifest import Manifest, ManifestKind
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.verify import head_problems
 from ckrun.errors import CorruptCheckpoint, ObjectNotFound, StorageError
@@ -62,7 +62,7 @@ def scan(storage: Storage) -> Scan:
                 out.problems.append((info.key, str(e)))
                 continue
             out.manifests.append(m)
-    out.manifests.sort(key=lambda m: (m.step, m.kind == "final"), reverse=True)
+    out.manifests.sort(key=lambda m: (m.step, m.kind == ManifestKind.FINAL), reverse=True)
     return out
 
 

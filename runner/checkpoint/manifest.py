@@ -17,13 +17,24 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from ckrun.checkpoint import layout
+from ckrun.enums import StrEnum
 from ckrun.errors import CorruptCheckpoint, InvalidKey
 from ckrun.storage.base import validate_key
 
 FORMAT = "ckrun.manifest"
 FORMAT_VERSION = 1
 Kind = Literal["recovery", "milestone", "final"]
-KINDS: tuple[str, ...] = ("recovery", "milestone", "final")
+
+
+class ManifestKind(StrEnum):
+    """What a checkpoint is for (retention keeps them differently)."""
+
+    RECOVERY = "recovery"  # the newest ``keep_last`` are kept
+    MILESTONE = "milestone"  # kept forever
+    FINAL = "final"  # the final artifact, under ``final/``
+
+
+KINDS: tuple[ManifestKind, ...] = tuple(ManifestKind)
 CHECKSUM_ALGO = "crc32c"
 
 
@@ -68,7 +79,7 @@ class Manifest:
     Attributes:
         run: run id.
         step: training step the state belongs to.
-        kind: ``recovery``, ``milestone`` or ``final``.
+        kind: a :class:`ManifestKind`.
         attempt: attempt number that wrote it.
         world_size: number of ranks (one shard per rank).
         shards: the shard files, by rank.
@@ -88,7 +99,7 @@ class Manifest:
 
     run: str
     step: int
-    kind: str
+    kind: ManifestKind
     attempt: int
     world_size: int
     shards: tuple[ShardInfo, ...]
@@ -111,7 +122,7 @@ class Manifest:
     @property
     def area(self) -> layout.Area:
         """``final`` for the final artifact, else ``checkpoints``."""
-        return "final" if self.kind == "final" else "checkpoints"
+        return "final" if self.kind == ManifestKind.FINAL else "checkpoints"
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object (format and version included)."""
@@ -173,10 +184,11 @@ class Manifest:
         if epoch is not None and (not _is_int(epoch) or epoch < 1):
             raise CorruptCheckpoint(f"{where}: lease_epoch must be an int >= 1", key=key)
         step = typed_field(obj, "step", int, where)
-        kind = typed_field(obj, "kind", str, where)
-        if kind not in KINDS or step < 0:
-            raise CorruptCheckpoint(f"{where}: invalid kind {kind!r} or step {step}", key=key)
-        area: layout.Area = "final" if kind == "final" else "checkpoints"
+        text = typed_field(obj, "kind", str, where)
+        if text not in KINDS or step < 0:
+            raise CorruptCheckpoint(f"{where}: invalid kind {text!r} or step {step}", key=key)
+        kind = ManifestKind(text)
+        area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
         entries = typed_field(obj, "shards", list, where)
         shards = tuple(parse_shard(s, step, area, where) for s in entries)
         world = typed_field(obj, "world_size", int, where)

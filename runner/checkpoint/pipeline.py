@@ -33,7 +33,7 @@ from ckrun.checkpoint.compat import normalize
 from ckrun.checkpoint.discovery import completion, scan
 from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
-from ckrun.checkpoint.manifest import Manifest, ShardInfo, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.state import capture
 from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StorageError
 from ckrun.storage.base import ObjectWriter, Storage
@@ -123,10 +123,10 @@ def check_step(step: Any) -> None:
         raise CheckpointError(f"step must be an int >= 0, got {step!r}")
 
 
-def kind_for(ctx: CommitContext, step: int) -> str:
+def kind_for(ctx: CommitContext, step: int) -> ManifestKind:
     """``milestone`` for a step retention keeps forever, else ``recovery``."""
     milestone = bool(ctx.milestone_every and step % ctx.milestone_every == 0)
-    return "milestone" if milestone else "recovery"
+    return ManifestKind.MILESTONE if milestone else ManifestKind.RECOVERY
 
 
 def check_not_complete(ctx: CommitContext) -> None:
@@ -199,6 +199,8 @@ def persist(
         CheckpointError: a collective save failed on another rank.
     """
 
+    kind = ManifestKind(kind)  # a ManifestKind, or its value
+
     def make(shards: tuple[ShardInfo, ...], mkey: str) -> Manifest:
         return make_manifest(ctx, step, kind, shards, compat, metrics, created_utc, started, mkey)
 
@@ -216,7 +218,7 @@ def persist(
             m.save_duration_s,
         )
         return m
-    area: layout.Area = "final" if kind == "final" else "checkpoints"
+    area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
     key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
     size, checksum = fmt.write_object((open_shard or ctx.storage.open_write)(key), snap)
     info = ctx.storage.head(key)
@@ -249,7 +251,7 @@ def make_manifest(
     return Manifest(
         run=ctx.run,
         step=step,
-        kind=kind,
+        kind=ManifestKind(kind),
         attempt=ctx.attempt,
         world_size=len(shards),
         shards=shards,

@@ -216,6 +216,8 @@ def submit(
         options=cfg.options,
         env=env,
         supervisor_args=tuple(args),
+        nnodes=cfg.nnodes,
+        nproc_per_node=cfg.nproc_per_node,
     )
     if dry_run:
         import json

@@ -1,6 +1,6 @@
 """The ``ckrun`` command line (click).  Thin: parsing, then calls into the library.
 
-Forms (issue 3, the contract)::
+Forms (a contract: scripts and docs rely on them)::
 
     ckrun submit train.py [ARGS]...          # .py runs with this Python
     ckrun submit [OPTIONS] -- CMD [ARGS]...
@@ -107,7 +107,7 @@ _allow_opt = click.option(
 )
 
 
-#: Backend options of ``submit`` (the forms issues 4 and 6 write out): flag, profile key,
+#: Backend options of ``submit`` (a contract, as the forms above): flag, profile key,
 #: type, help.  Each is the same as ``--set KEY=VALUE``; a key the selected backend does
 #: not have is refused by the config with the list of valid keys.
 _BACKEND_OPTIONS: list[tuple[str, str, Any, str]] = [

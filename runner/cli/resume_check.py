@@ -202,10 +202,11 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     """
     from ckrun.checkpoint import discovery
     from ckrun.checkpoint.env import open_storage_from_env
+    from ckrun.checkpoint.manifest import ManifestKind
     from ckrun.checkpoint.shard_reader import read_shard
 
     storage = open_storage_from_env(run_root)
-    finals = [m for m in discovery.committed(storage) if m.kind == "final"]
+    finals = [m for m in discovery.committed(storage) if m.kind == ManifestKind.FINAL]
     if not finals:
         raise CheckpointError(
             f"{run_root} has no final checkpoint: the run did not complete "

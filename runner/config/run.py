@@ -133,8 +133,8 @@ class RunConfig:
 
         The world size is deliberately not part of it: the checkpoint's own compat
         block carries ``world_size`` and the child's gate lets it change exactly when
-        the checkpoint's format reshards (issue 8: a run preempted on 8 GPUs continues
-        on 4), and refuses it otherwise (exit 4).
+        the checkpoint's format reshards (a run preempted on 8 GPUs continues on 4),
+        and refuses it otherwise (exit 4).
         """
         argv = list(self.command)
         if argv:

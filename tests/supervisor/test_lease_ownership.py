@@ -48,7 +48,7 @@ def test_lost_lease_during_backoff_or_preflight_never_spawns() -> None:
     s, acts = sm.step(backoff, lost())
     assert s.phase is Phase.LEASE_LOST and s.exit_code == 2
     pre = sm.State(policy=P, lease_lost=True)
-    s, acts = sm.step(pre, sm.Preflighted("ready", 10))
+    s, acts = sm.step(pre, sm.Preflighted(sm.PreflightOutcome.READY, 10))
     assert s.phase is Phase.LEASE_LOST and not any(isinstance(a, sm.Spawn) for a in acts)
 
 
