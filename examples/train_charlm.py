@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hparams = {k: v for k, v in vars(args).items() if k not in ("steps", "log_every", "storage")}
     ckpt = ckrun.Checkpointer.from_env(
-        storage=args.storage,
+        default_storage=args.storage,  # only outside the supervisor (CKRUN_STORAGE wins)
         compat={
             "config": hparams,
             "model_version": "charlm-v1",

@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cloud/scheduler", ("cloud", "scheduler")),
     ("config", ("config",)),
     ("supervisor", ("supervisor",)),
+    ("report", ("report",)),  # read-only accounting of a run: status, runs, the page
     ("cli", ("cli", "__main__")),
     # The package __init__ is the public surface: it re-exports from every layer.
     ("public surface", ("",)),

@@ -23,6 +23,8 @@ from ckrun.storage.base import validate_key
 
 FORMAT = "ckrun.manifest"
 FORMAT_VERSION = 1
+#: fields a manifest may omit (absent in manifests written before issue 13)
+OPTIONAL_FIELDS = frozenset({"signature", "lease_epoch"})
 Kind = Literal["recovery", "milestone", "final"]
 
 
@@ -91,6 +93,9 @@ class Manifest:
         save_duration_s: seconds from the start of the save to the commit.
         versions: ``ckrun``, ``torch``, ``python`` versions of the writer.
         compat_drift: allowed or warned compat differences against ``resumed_from``.
+        signature: the model signature and optimizer parameter names
+            (:mod:`ckrun.checkpoint.signature`), or None (no module in the state, or a
+            format-1 manifest).
         lease_epoch: the run's lease epoch the writer held (fencing, DESIGN.md §7), or
             None for a writer without a supervisor (the field is then omitted, so such a
             manifest is byte-identical to one of earlier ckrun versions).
@@ -111,6 +116,7 @@ class Manifest:
     save_duration_s: float
     versions: dict[str, str] = field(default_factory=dict)
     compat_drift: tuple[str, ...] = ()
+    signature: dict[str, Any] | None = None
     lease_epoch: int | None = None
     key: str = field(default="", compare=False)
 
@@ -126,7 +132,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object (format and version included)."""
-        body: dict[str, Any] = {
+        return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "run": self.run,
@@ -143,10 +149,11 @@ class Manifest:
             "save_duration_s": self.save_duration_s,
             "versions": self.versions,
             "compat_drift": list(self.compat_drift),
+        } | {
+            k: v
+            for k, v in (("signature", self.signature), ("lease_epoch", self.lease_epoch))
+            if v is not None
         }
-        if self.lease_epoch is not None:
-            body["lease_epoch"] = self.lease_epoch
-        return body
 
     def dumps(self) -> bytes:
         """Strict JSON bytes (``allow_nan=False``, sorted keys)."""
@@ -177,9 +184,12 @@ class Manifest:
         if not isinstance(obj, dict):
             raise CorruptCheckpoint(f"{where}: expected a JSON object", key=key)
         check_format(obj, FORMAT, FORMAT_VERSION, where)
-        expected = set(Manifest.__dataclass_fields__) - {"key", "lease_epoch"}
-        expected |= {"format", "format_version"} | ({"lease_epoch"} & obj.keys())
+        expected = set(Manifest.__dataclass_fields__) - {"key"} | {"format", "format_version"}
+        expected -= OPTIONAL_FIELDS - obj.keys()
         exact_fields(obj, expected, where)
+        signature = obj.get("signature")
+        if signature is not None and not isinstance(signature, dict):
+            raise CorruptCheckpoint(f"{where}: field 'signature' must be an object", key=key)
         epoch = obj.get("lease_epoch")
         if epoch is not None and (not _is_int(epoch) or epoch < 1):
             raise CorruptCheckpoint(f"{where}: lease_epoch must be an int >= 1", key=key)
@@ -218,6 +228,7 @@ class Manifest:
             save_duration_s=float(duration),
             versions=typed_field(obj, "versions", dict, where),
             compat_drift=tuple(str(d) for d in drift),
+            signature=signature,
             lease_epoch=epoch,
             key=key,
         )

@@ -87,6 +87,9 @@ class CommitContext:
         verified: manifest keys this process wrote or verified (not re-hashed).
         written: the last manifest this process committed.
         complete: the run has its completion marker.
+        signature: the model signature of the state last seen
+            (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
+            compared by the next load.
     """
 
     storage: Storage
@@ -104,6 +107,7 @@ class CommitContext:
     verified: set[str] = field(default_factory=set)
     written: Manifest | None = None
     complete: bool = False
+    signature: dict[str, Any] | None = None
     fence: Fence | None = None
 
     def check_fence(self, what: str) -> None:
@@ -267,6 +271,7 @@ def make_manifest(
             "python": platform.python_version(),
         },
         compat_drift=tuple(ctx.drift),
+        signature=ctx.signature,
         lease_epoch=ctx.lease_epoch,
         key=mkey,
     )

@@ -472,7 +472,7 @@ class Supervisor:
         for src in self.sources:
             hook = getattr(src, "attempt_started", None)
             if hook is not None:
-                hook()
+                hook(control_dir=self.rundir.control_dir)
         self.events.append("spawn", pid=self.child.pid, command=list(self.cfg.command))
         return None
 

@@ -202,10 +202,6 @@ def test_second_machine_exits_2_naming_the_holder_and_never_trains(
         assert "owned by host" in r.stderr
     assert not (b.root / "progress.json").exists()  # B never started the command
     assert a.proc is not None and a.proc.poll() is None, "machine-a ended too early"
-    st = subprocess.run([CKRUN, "status", "r1", "--storage", run.url], env=b.env, cwd=b.root,
-                        timeout=60, capture_output=True, text=True)  # fmt: skip
-    assert st.returncode == 0, st.stderr
-    assert "owner: host" in st.stdout and f"pid {a.proc.pid}" in st.stdout  # from storage
     assert a.proc.poll() is None, "machine-a ended too early"
     os.kill(a.proc.pid, signal.SIGTERM)  # A is stopped: it commits and releases the lease
     assert a.finish() == 75, a.stderr()[-3000:]
