@@ -323,6 +323,9 @@ class Checkpointer:
         t0 = time.monotonic()
         m = self._save(step, state, pipeline.kind_for(self._ctx, step), metrics)
         _report_save(m, time.monotonic() - t0, "sync", self.rank)
+        from ckrun.control import record_notice_save
+
+        record_notice_save(m.step)  # after a notice: an exit now is a preemption
         return m
 
     def finalize(

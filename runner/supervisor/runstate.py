@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckrun.checkpoint import layout
@@ -27,12 +27,13 @@ from ckrun.errors import LeaseLost, ObjectNotFound, StorageError
 from ckrun.notices import iso_utc, utcnow
 from ckrun.runlog import EventLog
 from ckrun.storage.base import Storage
+from ckrun.supervisor.budgets import RunBudgets
 
 log = logging.getLogger(__name__)
 
 FORMAT = "ckrun.runstate"
 MAX_EVENTS = 500
-COUNTERS = ("attempts", "preemptions", "failures", "no_progress")
+COUNTERS = ("attempts", "preemptions", "failures", "no_progress", "streak")
 
 
 @dataclass
@@ -50,6 +51,7 @@ class RunRecord:
     preemptions: int = 0
     failures: int = 0
     no_progress: int = 0
+    streak: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
     updated_utc: str = ""
 
@@ -188,12 +190,30 @@ class RunState:
             )
 
 
+class StorageBudgets:
+    """A :class:`ckrun.supervisor.budgets.BudgetStore` kept in the run's record in
+    storage (:class:`RunState`), so a fresh machine continues the counts."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+
+    def load(self) -> RunBudgets:
+        r = self.state.record
+        return RunBudgets(r.preemptions, r.failures, r.no_progress, r.streak)
+
+    def save(self, budgets: RunBudgets) -> None:
+        self.state.update(**asdict(budgets))
+
+    def reset(self) -> None:
+        self.state.update(**asdict(RunBudgets()))
+
+
 class MirroredEventLog(EventLog):
     """An :class:`~ckrun.runlog.EventLog` whose lines are also mirrored into the run's
     record in storage (:class:`RunState`)."""
 
-    def __init__(self, path: str, run: str, state: RunState, attempt: int = 0) -> None:
-        super().__init__(path, run, attempt)
+    def __init__(self, path: str, run: str, state: RunState, attempt: int = 0, **kw: Any) -> None:
+        super().__init__(path, run, attempt, **kw)
         self.state = state
 
     def append(
