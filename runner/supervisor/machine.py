@@ -23,7 +23,8 @@ Phases::
   answered by restarting in the same process.  A lost lease (another supervisor took
   the run over, DESIGN.md §7) is a notice with ``lease_lost``: the child is drained
   (its commit is refused by fencing), then ``LEASE_LOST``, exit 2, no requeue.  One
-  notice, one requeue: notices while the requeue is pending, during back-off or during preflight never count twice.
+  notice, one requeue: notices while the requeue is pending, during back-off or during
+  preflight never count twice.
 * Strays: once the command's own process has exited, what is left of its session gets
   TERM ``stray_s`` later and KILL ``stray_s`` after that (unless a notified process is
   still saving; then the notice deadline applies).
