@@ -217,7 +217,8 @@ class Supervisor:
         try:
             self.runstate.activate(owner.epoch)
             if self._own_budgets:
-                self.budgets = StorageBudgets(self.runstate)  # budgets travel with the run
+                local = RunDirBudgets(self.rundir.root)
+                self.budgets = StorageBudgets(self.runstate, local)  # travel with the run
             return self._installed()
         finally:
             self.runstate.flush()  # budgets and events reach storage while still owned

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,10 +25,10 @@ from typing import Any
 from ckrun.checkpoint import layout
 from ckrun.checkpoint.lease import Fence
 from ckrun.errors import LeaseLost, ObjectNotFound, StorageError
-from ckrun.notices import iso_utc, utcnow
+from ckrun.notices import iso_utc, parse_utc, utcnow
 from ckrun.runlog import EventLog
 from ckrun.storage.base import Storage
-from ckrun.supervisor.budgets import RunBudgets
+from ckrun.supervisor.budgets import RunBudgets, RunDirBudgets
 
 log = logging.getLogger(__name__)
 
@@ -192,20 +193,33 @@ class RunState:
 
 class StorageBudgets:
     """A :class:`ckrun.supervisor.budgets.BudgetStore` kept in the run's record in
-    storage (:class:`RunState`), so a fresh machine continues the counts."""
+    storage (:class:`RunState`) and in the local ``budgets.json`` (the machine's cache).
 
-    def __init__(self, state: RunState) -> None:
-        self.state = state
+    ``load`` takes the newer of the two: the storage record on a fresh machine (no local
+    file) or when another machine wrote it later; the local file after ``ckrun submit``
+    reset it here (a new submission starts at zero).
+    """
+
+    def __init__(self, state: RunState, local: RunDirBudgets) -> None:
+        self.state, self.local = state, local
 
     def load(self) -> RunBudgets:
         r = self.state.record
-        return RunBudgets(r.preemptions, r.failures, r.no_progress, r.streak)
+        stored = RunBudgets(r.preemptions, r.failures, r.no_progress, r.streak)
+        try:
+            local_mtime = os.path.getmtime(self.local.path)
+        except OSError:
+            return stored
+        if r.updated_utc and parse_utc(r.updated_utc).timestamp() > local_mtime:
+            return stored
+        return self.local.load()
 
     def save(self, budgets: RunBudgets) -> None:
         self.state.update(**asdict(budgets))
+        self.local.save(budgets)
 
     def reset(self) -> None:
-        self.state.update(**asdict(RunBudgets()))
+        self.save(RunBudgets())
 
 
 class MirroredEventLog(EventLog):
