@@ -54,6 +54,7 @@ from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.checkpointer import SaveHandle
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.checkpoint.sharding import Planned
 from ckrun.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class AsyncSaver:
     def _persist(
         self,
         step: int,
-        snap: fmt.Snapshot,
+        snap: Planned,
         kind: str,
         compat: dict[str, Any],
         metrics: dict[str, Any],

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from ckrun.checkpoint import collective as distributed
-from ckrun.checkpoint import layout, retention
+from ckrun.checkpoint import layout, reshard, retention, sharding
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.compat import compare, git_state, normalize, parse_allow_change
@@ -264,11 +264,14 @@ class Checkpointer:
         """
         self._acquire()
         current = self.compat_block(state)
+        want: dict[str, Any] | None = None
         for m in scan(self.storage).manifests:
             drift = self._gate(m, current)
             tree, why = None, ""
             try:
-                tree = self._read(m)
+                if m.tensor_layout is not None and want is None:
+                    want = reshard.targets(state)  # where each global tensor goes
+                tree = self._read(m, want or {})
             except (CorruptCheckpoint, ObjectNotFound) as e:
                 why = str(e)
             ok, whys = self.group.all_ok(tree is not None, why)  # all ranks fall back together
@@ -290,7 +293,7 @@ class Checkpointer:
             return m
         return None
 
-    def _read(self, m: Manifest) -> Any:
+    def _read(self, m: Manifest, want: Mapping[str, Any]) -> Any:
         if m.world_size != self.world_size and not distributed.reshards(m):
             raise CheckpointError(
                 f"checkpoint step {m.step} has {m.world_size} shards in a "
@@ -298,6 +301,8 @@ class Checkpointer:
                 f"{m.world_size} ranks"
             )
         src = distributed.source_rank(m, self.rank, self.world_size)
+        if m.tensor_layout is not None:  # format 2: ranged reads of what this rank needs
+            return reshard.load_tree(self.storage, m, source_rank=src, want=want)
         s = next(s for s in m.shards if s.rank == src)
         info = self.storage.head(s.key)
         if info is None or info.size_bytes != s.size_bytes:
@@ -336,13 +341,16 @@ class Checkpointer:
 
     # -- save -----------------------------------------------------------------------
 
-    def snapshot(self, state: Mapping[str, Any], *, copy: bool = False) -> fmt.Snapshot:
-        """Step 1 of a save: the state (and RNG) flattened for persisting.
+    def snapshot(self, state: Mapping[str, Any], *, copy: bool = False) -> sharding.Planned:
+        """Step 1 of a save: the state (and RNG) flattened and cut into this rank's
+        shard entries (:func:`ckrun.checkpoint.sharding.plan`, a collective with more
+        than one rank).
 
         Args:
             copy: clone tensors to host now (for a persist that overlaps training).
         """
-        return fmt.snapshot(capture(state, rng=self.rng), copy=copy)
+        snap = fmt.snapshot(capture(state, rng=self.rng), copy=copy)
+        return sharding.plan(snap, self.group)
 
     def save(
         self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
@@ -407,7 +415,7 @@ class Checkpointer:
     def persist(
         self,
         step: int,
-        snap: fmt.Snapshot,
+        snap: sharding.Planned,
         *,
         kind: str,
         compat: dict[str, Any],
@@ -422,11 +430,14 @@ class Checkpointer:
         saves pass a zero-copy writer over their host buffers, :mod:`.arena`).
         """
 
-        def make(shards: tuple[ShardInfo, ...], mkey: str) -> Manifest:
-            return self._manifest(step, kind, shards, compat, metrics, created_utc, started, mkey)
+        def make(
+            shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None
+        ) -> Manifest:
+            return self._manifest(
+                step, kind, shards, compat, metrics, created_utc, started, mkey, lay
+            )
 
         if self.world_size > 1:  # collective: every rank's shard, rank 0 commits
-            distributed.refuse_sharded_tensors(snap)
             m = distributed.persist(self, step, snap, kind=kind, make_manifest=make)
             self._verified.add(m.key)
             self._written = m
@@ -441,14 +452,19 @@ class Checkpointer:
             return m
         area: layout.Area = "final" if kind == "final" else "checkpoints"
         key = layout.shard_key(step, self.rank, self.attempt, area)
-        size, checksum = fmt.write_object((open_shard or self.storage.open_write)(key), snap)
+        out = sharding.write_object((open_shard or self.storage.open_write)(key), snap)
+        size, checksum = out.size_bytes, out.checksum
         info = self.storage.head(key)
         if info is None or info.size_bytes != size:
             raise StorageError(
                 f"{key}: committed shard reads back as {info}, expected "
                 f"{size} bytes; the storage lost the write"
             )
-        m = make((ShardInfo(key, self.rank, size, checksum),), layout.manifest_key(step, area))
+        m = make(
+            (ShardInfo(key, self.rank, size, checksum),),
+            layout.manifest_key(step, area),
+            sharding.merge_layout([sharding.layout_part(snap, out)]),
+        )
         mkey = m.key
         m = commit_manifest(self.storage, m)  # conditional create: one commit per step
         self._verified.add(mkey)
@@ -466,6 +482,7 @@ class Checkpointer:
         created_utc: str,
         started: float,
         mkey: str,
+        tensor_layout: dict[str, Any] | None = None,
     ) -> Manifest:
         """The manifest committing ``shards`` (built just before it is written)."""
         return Manifest(
@@ -487,6 +504,7 @@ class Checkpointer:
                 "python": platform.python_version(),
             },
             compat_drift=tuple(self._drift),
+            tensor_layout=tensor_layout,
             key=mkey,
         )
 

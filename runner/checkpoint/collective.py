@@ -3,15 +3,20 @@
 Save (every rank calls :meth:`Checkpointer.save` at the same step, e.g. after
 ``preemption_requested(sync=True)`` agreed on it):
 
-1. each rank writes its whole run state (model, optimizer, its RNG, its sampler
-   position, ...) as one shard under its attempt-unique key
+1. the ranks plan who writes what (:mod:`ckrun.checkpoint.sharding`, one
+   ``all_gather_object``): DTensor (FSDP2) shards by the rank that holds them, a tensor
+   replicated on every rank (DDP) by one owner, rank-local state (RNG, data position,
+   tensors that differ) by each rank; each rank writes one format-2 shard (a
+   safetensors file, :mod:`ckrun.checkpoint.st_format`) under its attempt-unique key
    (``shard-r<rank>-a<attempt>-<nonce>.ckpt``), CRC32C while streaming;
-2. the ranks report ``(key, size_bytes, checksum, error)`` to rank 0 (``gather_object``
-   on a dedicated gloo group, so a CUDA/NCCL job's training collectives are untouched);
-3. rank 0 checks that every shard exists with the reported size (``head``), then creates
-   the single ``manifest.json`` (world size, one shard per rank, the sharding policy in
-   the compat block) only if absent (:func:`ckrun.checkpoint.commit.commit_manifest`):
-   the checkpoint exists only now;
+2. the ranks report ``(key, size_bytes, checksum, layout part, error)`` to rank 0
+   (``gather_object`` on a dedicated gloo group, so a CUDA/NCCL job's training
+   collectives are untouched);
+3. rank 0 checks that every shard exists with the reported size (``head``) and that the
+   saved pieces cover every global tensor exactly, then creates the single
+   ``manifest.json`` (world size, one shard per rank, the tensor layout, the sharding
+   policy in the compat block) only if absent
+   (:func:`ckrun.checkpoint.commit.commit_manifest`): the checkpoint exists only now;
 4. rank 0 broadcasts the outcome (the manifest, or the error) to every rank: this is the
    barrier after the commit, and a failure on any rank fails the save on every rank.
 
@@ -20,10 +25,12 @@ later by retention); the previous checkpoint stays the newest.
 
 Load: every rank walks the same committed manifests newest first; the ranks agree
 (``all_gather_object``) on each candidate, so one rank's corrupt shard makes all of them
-fall back together.  On the same world size each rank reads its own shard (exact
-resume, bitwise).  On another world size (the sharding policy ``replicated``: DDP, where
-model and optimizer are identical on every rank) every rank reads rank 0's shard and the
-rank-local state follows :data:`RANK_LOCAL_POLICY`, recorded in every manifest:
+fall back together.  A format-2 checkpoint is read with ranged reads
+(:mod:`ckrun.checkpoint.reshard`): global tensors as the current layout wants them (the
+local box of a DTensor, else whole), on any world size.  The rank-local state comes from
+the rank's own shard on the same world size (exact resume, bitwise); on another world
+size every rank takes rank 0's and the rank-local state follows
+:data:`RANK_LOCAL_POLICY`, recorded in every manifest:
 
 * data position: a :class:`~ckrun.checkpoint.sampler.ResumableSampler` state is re-derived
   from the global sample count (``position × old world size``: the global step times the
@@ -31,8 +38,8 @@ rank-local state follows :data:`RANK_LOCAL_POLICY`, recorded in every manifest:
 * RNG: python, numpy and torch (CPU, CUDA) are reseeded with
   ``sha256("seed:step:rank")`` (first 8 bytes), deterministic for a given resume.
 
-Sharded tensors (``DTensor``, FSDP sharded state dicts) are refused at save with a fix
-(save a full state dict); torch.distributed.checkpoint resharding is not wired in yet.
+A format-1 checkpoint (one whole-state shard per rank) loads as before: its own shard on
+the same world size, rank 0's otherwise.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from ckrun.checkpoint import layout
-from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint import sharding
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.checkpoint.state import restore
@@ -164,6 +171,16 @@ class Group:
         dist.gather_object(obj, out, dst=0, group=self._group())
         return out
 
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._group())
+        return out
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         if self.world_size == 1:
@@ -191,30 +208,37 @@ class _Report:
     size_bytes: int
     checksum: str
     error: str | None
+    part: dict[str, Any] | None = None  # sharding.layout_part
 
 
-def _write_own(ck: Checkpointer, step: int, snap: fmt.Snapshot, area: layout.Area) -> _Report:
+#: ``(shards, manifest key, tensor layout) -> Manifest``, called on rank 0 only
+MakeManifest = Callable[[tuple[ShardInfo, ...], str, "dict[str, Any] | None"], Manifest]
+
+
+def _write_own(
+    ck: Checkpointer, step: int, snap: sharding.Planned, area: layout.Area
+) -> _Report:
     key = layout.shard_key(step, ck.rank, ck.attempt, area)
-    size, checksum = fmt.write_object(ck.storage.open_write(key), snap)
-    return _Report(key, size, checksum, None)
+    out = sharding.write_object(ck.storage.open_write(key), snap)
+    return _Report(key, out.size_bytes, out.checksum, None, sharding.layout_part(snap, out))
 
 
 def persist(
     ck: Checkpointer,
     step: int,
-    snap: fmt.Snapshot,
+    snap: sharding.Planned,
     *,
     kind: str,
-    make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
+    make_manifest: MakeManifest,
 ) -> Manifest:
     """Steps 2-4 of a collective save (module docstring); every rank calls it.
 
     Args:
         ck: the rank's Checkpointer (``rank``, ``world_size``, ``storage``, ``attempt``).
         step: the step being saved (the same on every rank).
-        snap: this rank's snapshot.
+        snap: this rank's planned snapshot (:func:`ckrun.checkpoint.sharding.plan`).
         kind: ``recovery``, ``milestone`` or ``final``.
-        make_manifest: ``(shards, manifest_key) -> Manifest`` (rank 0 only).
+        make_manifest: ``(shards, manifest_key, tensor_layout) -> Manifest`` (rank 0).
 
     Returns:
         The committed manifest, on every rank.
@@ -252,7 +276,7 @@ def _commit(
     step: int,
     area: layout.Area,
     reports: list[_Report],
-    make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
+    make_manifest: MakeManifest,
 ) -> tuple[str, bytes | str, str]:
     """Rank 0: verify every shard, write the manifest; ``("ok", bytes, key)`` or error."""
     problems = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
@@ -279,7 +303,8 @@ def _commit(
             problems = head_problems(ck.storage, probe)
         if problems:
             return "error", "; ".join(problems), mkey
-        m = commit_manifest(ck.storage, make_manifest(shards, mkey))  # conditional create
+        lay = sharding.merge_layout([rep.part or {} for rep in reports])
+        m = commit_manifest(ck.storage, make_manifest(shards, mkey, lay))  # conditional create
         return "ok", m.dumps(), mkey
     except Exception as e:  # broadcast, then every rank raises
         return "error", f"rank 0 could not commit: {type(e).__name__}: {e}", mkey
@@ -356,22 +381,3 @@ def reseed(seed: int, step: int, rank: int) -> int:
     if np is not None:
         np.random.seed(s % (1 << 32))
     return s
-
-
-def refuse_sharded_tensors(snap: fmt.Snapshot) -> None:
-    """Raise when the state holds ``DTensor`` shards (not resharded by this format).
-
-    Raises:
-        CheckpointError: names the fix (a full state dict, or DDP).
-    """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return
-    if any(isinstance(t, DTensor) for t in snap.tensors):
-        raise CheckpointError(
-            "the state holds DTensor (FSDP2 / tensor-parallel) shards, which ckrun's "
-            "replicated format cannot reshard; pass full state dicts "
-            "(torch.distributed.checkpoint.state_dict.get_state_dict(..., "
-            "options=StateDictOptions(full_state_dict=True))) or use DDP"
-        )

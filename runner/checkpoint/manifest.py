@@ -21,7 +21,8 @@ from ckrun.errors import CorruptCheckpoint, InvalidKey
 from ckrun.storage.base import validate_key
 
 FORMAT = "ckrun.manifest"
-FORMAT_VERSION = 1
+#: 1: one whole-state shard per rank; 2: adds ``tensor_layout`` (issue 14, sharded state)
+FORMAT_VERSION = 2
 Kind = Literal["recovery", "milestone", "final"]
 KINDS: tuple[str, ...] = ("recovery", "milestone", "final")
 CHECKSUM_ALGO = "crc32c"
@@ -80,6 +81,9 @@ class Manifest:
         save_duration_s: seconds from the start of the save to the commit.
         versions: ``ckrun``, ``torch``, ``python`` versions of the writer.
         compat_drift: allowed or warned compat differences against ``resumed_from``.
+        tensor_layout: format 2 (:mod:`ckrun.checkpoint.sharding`): per shard its header size
+            and CRC32C and its entries' byte ranges and CRC32C; per global tensor its
+            dtype, shape and saved pieces.  None in a format-1 manifest.
         key: where this manifest was read from or written to (not serialised).
     """
 
@@ -97,6 +101,7 @@ class Manifest:
     save_duration_s: float
     versions: dict[str, str] = field(default_factory=dict)
     compat_drift: tuple[str, ...] = ()
+    tensor_layout: dict[str, Any] | None = None
     key: str = field(default="", compare=False)
 
     @property
@@ -111,9 +116,9 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object (format and version included)."""
-        return {
+        body = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": 1 if self.tensor_layout is None else FORMAT_VERSION,
             "run": self.run,
             "step": self.step,
             "kind": self.kind,
@@ -129,6 +134,9 @@ class Manifest:
             "versions": self.versions,
             "compat_drift": list(self.compat_drift),
         }
+        if self.tensor_layout is not None:
+            body["tensor_layout"] = self.tensor_layout
+        return body
 
     def dumps(self) -> bytes:
         """Strict JSON bytes (``allow_nan=False``, sorted keys)."""
@@ -160,6 +168,8 @@ class Manifest:
             raise CorruptCheckpoint(f"{where}: expected a JSON object", key=key)
         check_format(obj, FORMAT, FORMAT_VERSION, where)
         expected = set(Manifest.__dataclass_fields__) - {"key"} | {"format", "format_version"}
+        if obj["format_version"] == 1:
+            expected.discard("tensor_layout")
         _exact_fields(obj, expected, where)
         step = _typed(obj, "step", int, where)
         kind = _typed(obj, "kind", str, where)
@@ -179,6 +189,11 @@ class Manifest:
         if not isinstance(duration, (int, float)) or isinstance(duration, bool):
             raise CorruptCheckpoint(f"{where}: save_duration_s must be a number", key=key)
         drift = _typed(obj, "compat_drift", list, where)
+        lay = obj.get("tensor_layout")
+        if lay is not None:
+            problem = _layout_problem(lay, world)
+            if problem:
+                raise CorruptCheckpoint(f"{where}: bad tensor_layout: {problem}", key=key, step=step)
         return cls(
             run=_typed(obj, "run", str, where),
             step=step,
@@ -194,8 +209,32 @@ class Manifest:
             save_duration_s=float(duration),
             versions=_typed(obj, "versions", dict, where),
             compat_drift=tuple(str(d) for d in drift),
+            tensor_layout=lay,
             key=key,
         )
+
+
+def _layout_problem(layout: Any, world_size: int) -> str | None:
+    """A structural problem of a format-2 ``tensor_layout``, or None."""
+    try:
+        if layout["version"] != 1 or len(layout["shards"]) != world_size:
+            return "unknown layout version or wrong shard count"
+        for s in layout["shards"]:
+            if not (_is_int(s["header_bytes"]) and isinstance(s["header_crc"], str)):
+                return "shard header"
+            for b, e, c in s["entries"].values():
+                if not (_is_int(b) and _is_int(e) and 0 <= b <= e and isinstance(c, str)):
+                    return "entry range"
+        for g, spec in layout["tensors"].items():
+            shape = spec["shape"]
+            if not (isinstance(spec["dtype"], str) and all(_is_int(n) for n in shape)):
+                return f"dtype or shape of {g}"
+            for r, entry, off, lengths in spec["pieces"]:
+                if entry not in layout["shards"][r]["entries"] or len(off) != len(lengths):
+                    return f"piece {entry} of {g}"
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        return f"malformed ({e!r:.80})"
+    return None
 
 
 def _reject_constant(name: str) -> Any:

@@ -100,6 +100,25 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+#: public names of the codec helpers (used by format 2, :mod:`ckrun.checkpoint.st_format`)
+DTYPES = _DTYPES
+
+
+def align(n: int, a: int) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
+    return _align(n, a)
+
+
+def nbytes(t: HostArray) -> int:
+    """Bytes of a tensor or ndarray."""
+    return _nbytes(t)
+
+
+def bytes_view(t: HostArray) -> memoryview:
+    """Zero-copy byte view of a contiguous host tensor / array (keep ``t`` alive)."""
+    return _bytes_view(t)
+
+
 def snapshot(obj: Any, *, copy: bool = False) -> Snapshot:
     """Flatten ``obj`` into a :class:`Snapshot`.
 

@@ -298,6 +298,27 @@ class LocalStorage:
         except OSError as e:
             raise _read_error(e, key, self.url) from e
 
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset`` of ``key`` with ``preadv`` (see ``Storage``)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise _read_error(e, key, self.url) from e
+        try:
+            done, n = 0, len(buf)
+            while done < n:
+                got = os.preadv(fd, [buf[done : done + (64 << 20)]], offset + done)
+                if not got:
+                    raise StorageError(
+                        f"{self.url}/{key}: ends before byte {offset + n} "
+                        f"(read {offset + done}); the object is truncated"
+                    )
+                done += got
+        except OSError as e:
+            raise _read_error(e, key, self.url) from e
+        finally:
+            os.close(fd)
+
     def local_path(self, key: str) -> str | None:
         """The absolute path of ``key``."""
         return self._path(key)
