@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 TRAIN = str(Path(__file__).with_name("dist_train.py"))
+FSDP_TRAIN = str(Path(__file__).with_name("fsdp_train.py"))
 REPO = str(Path(__file__).resolve().parents[2])
 
 
@@ -39,13 +40,14 @@ def rank_env(rank: int, world: int, port: int, storage: str, **extra: str) -> di
 
 
 def start_world(
-    world: int, storage: str, args: list[str], **extra: str
+    world: int, storage: str, args: list[str], script: str = TRAIN, **extra: str
 ) -> list[subprocess.Popen[str]]:
-    """Start ``world`` rank processes of dist_train.py (no supervisor, no torchrun)."""
+    """Start ``world`` rank processes of ``script`` (dist_train.py; no supervisor, no
+    torchrun)."""
     port = free_port()
     return [
         subprocess.Popen(
-            [sys.executable, TRAIN, *args],
+            [sys.executable, script, *args],
             env=rank_env(r, world, port, storage, **extra),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -72,10 +74,15 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[i
 
 
 def run_world(
-    world: int, storage: str, args: list[str], timeout: float = 120, **extra: str
+    world: int,
+    storage: str,
+    args: list[str],
+    timeout: float = 120,
+    script: str = TRAIN,
+    **extra: str,
 ) -> list[int]:
     """Run ``world`` ranks to the end; their output is shown when a rank failed."""
-    procs = start_world(world, storage, args, **extra)
+    procs = start_world(world, storage, args, script, **extra)
     codes = wait_all(procs, timeout)
     if any(c not in (0, 75) for c in codes):
         out = "\n---\n".join((p.stdout.read() if p.stdout else "")[-3000:] for p in procs)
