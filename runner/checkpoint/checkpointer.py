@@ -250,11 +250,20 @@ class Checkpointer:
 
     # -- load -----------------------------------------------------------------------
 
-    def load(self, state: MutableMapping[str, Any]) -> Manifest | None:
+    def load(
+        self, state: MutableMapping[str, Any], *, from_dcp: str | None = None
+    ) -> Manifest | None:
         """Restore the newest good, compatible checkpoint into ``state`` in place.
 
+        Args:
+            from_dcp: a ``torch.distributed.checkpoint`` directory that seeds ``state``
+                when the run has no checkpoint yet (its own checkpoints win, so a
+                requeued run resumes where it stopped); see
+                :mod:`ckrun.checkpoint.dcp_interop`.
+
         Returns:
-            Its manifest, or None when there is nothing to resume (empty run root).
+            Its manifest, or None when there is nothing to resume (empty run root;
+            ``state`` seeded from ``from_dcp`` when given).
 
         Raises:
             IncompatibleCheckpoint: the newest readable checkpoint's compat differs in a
@@ -291,6 +300,11 @@ class Checkpointer:
             if self.resume_step is not None and self.resume_step != m.step:
                 log.warning("resumed step %d, the supervisor expected %d", m.step, self.resume_step)
             return m
+        if from_dcp is not None:
+            from ckrun.checkpoint.dcp_interop import load_dcp
+
+            load_dcp(state, from_dcp)
+            log.info("no checkpoint in %s: state seeded from DCP %s", self.storage.url, from_dcp)
         return None
 
     def _read(self, m: Manifest, want: Mapping[str, Any]) -> Any:

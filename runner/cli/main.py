@@ -66,6 +66,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("ckrun.cli.checkpoints", "ls"),
     "verify": ("ckrun.cli.checkpoints", "verify"),
     "check-resume": ("ckrun.cli.check_resume", "check_resume"),
+    "export": ("ckrun.cli.export_cmd", "export"),
 }
 
 

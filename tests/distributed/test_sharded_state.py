@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,27 @@ def test_fsdp_rank_killed_mid_save_commits_nothing(tmp_path: Path) -> None:
     assert shard_files(root, 4) and not (root / "checkpoints/step-0000000004/manifest.json").exists()
     for m in manifests(root):
         assert all(os.path.getsize(root / s["key"]) == s["size_bytes"] for s in m["shards"])
+
+
+@pytest.mark.slow
+def test_fsdp_preempted_through_the_supervisor_resumes_exactly(tmp_path: Path) -> None:
+    """A notice (SIGUSR1 to ``ckrun submit``) at step >= 4 of 14 on 2 FSDP2 ranks: the
+    run saves, restarts on 2 ranks and ends bitwise equal to an uninterrupted run."""
+    from dist_helpers import finish, submit, wait_step
+
+    steps = ["--steps", "14"]
+    run_world(2, str(tmp_path / "plain"), [*steps, "--dump", str(tmp_path / "plain.pt")],
+              timeout=T, script=FSDP_TRAIN)  # fmt: skip
+    prog = tmp_path / "progress"
+    args = [*steps, "--step-s", "0.3", "--progress", str(prog), "--dump", str(tmp_path / "cut.pt")]
+    p = submit(tmp_path, "cut", 2, FSDP_TRAIN, args, "--grace", "120")
+    wait_step(prog, 4, p)
+    os.kill(p.pid, signal.SIGUSR1)
+    code, out = finish(p)
+    assert code == 0 and "preempt" in out and "run completed" in out, out[-3000:]
+    saved = [m for m in manifests(tmp_path / "cut") if m["kind"] == "recovery"]
+    assert saved and 4 <= saved[0]["step"] < 14 and saved[0]["world_size"] == 2
+    plain, cut = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cut.pt")
+    assert plain.keys() == cut.keys()
+    for k in plain:
+        assert torch.equal(plain[k], cut[k]), k

@@ -1,0 +1,140 @@
+"""torch.distributed.checkpoint (DCP) interop (issue 14): export a ckrun checkpoint as a
+DCP directory, seed a ckrun run from one.
+
+DCP layout used both ways: the run's user state as a nested state dict, e.g.
+``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "extra": {...}}``
+(the optimizer state keyed as ``Optimizer.state_dict`` numbers its parameters), which
+DCP flattens to ``model.block.weight``, ``optimizer.state.0.exp_avg``, ... in its
+``.metadata``.  ``dcp.load`` reads an export into the same structure on any world size
+and layout (FSDP2, DDP, one process); a DCP checkpoint saved that way by a
+torchtitan-style trainer (``dcp.save({"model": ..., "optimizer": ...})``) seeds a ckrun
+run through ``Checkpointer.load(state, from_dcp=PATH)``.
+
+Export writes the global tensors whole from one process (``dcp.save(..., no_dist=True)``;
+DCP reshards them on load).  Import builds, from the DCP metadata, a target for every
+tensor in the layout the current state wants (a DTensor's local shard, the parameter's
+layout for an optimizer state that does not exist yet, else a whole tensor: the targets
+of :mod:`ckrun.checkpoint.reshard`), lets ``dcp.load`` fill them (DCP reads only the
+chunks each rank needs), and restores the result with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from ckrun.checkpoint import reshard
+from ckrun.checkpoint.discovery import scan
+from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.sharding import dtensor_box, dtensor_type
+from ckrun.checkpoint.state import TREE_VERSION, restore
+from ckrun.errors import CheckpointError, ConfigError, UsageError
+from ckrun.storage.base import Storage
+
+
+def _manifest(storage: Storage, step: int | None) -> Manifest:
+    ms = scan(storage).manifests
+    if step is not None:
+        ms = [m for m in ms if m.step == step]
+    if not ms:
+        at = "" if step is None else f" at step {step}"
+        raise UsageError(f"{storage.url} has no committed checkpoint{at}")
+    return ms[0]
+
+
+def export_dcp(run: str | Storage, out: str, *, step: int | None = None) -> Manifest:
+    """Write a run's checkpoint (newest, or ``step``) as a DCP directory ``out``.
+
+    Returns:
+        The manifest exported.
+
+    Raises:
+        UsageError: no committed checkpoint (at ``step``), or ``out`` exists and is not
+            an empty directory.
+        CorruptCheckpoint: the checkpoint does not verify (ranged reads, CRC32C).
+    """
+    import torch.distributed.checkpoint as dcp
+    from ckrun.storage import open_storage
+
+    storage = open_storage(run) if isinstance(run, str) else run
+    m = _manifest(storage, step)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UsageError(f"{out} exists and is not an empty directory; choose a new -o path")
+    if m.tensor_layout is not None:
+        tree = reshard.full_state(storage, m, 0)
+    else:  # format 1: rank 0's shard holds the whole (replicated) state
+        from ckrun.checkpoint.shard_reader import read_shard
+
+        s = next(s for s in m.shards if s.rank == 0)
+        with storage.open_read(s.key) as f:
+            tree = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+    user = tree["user"] if isinstance(tree, Mapping) else None
+    if not isinstance(user, dict):
+        raise CheckpointError(f"{m.key}: no user state to export")
+    dcp.save(user, checkpoint_id=out, no_dist=True)
+    return m
+
+
+def load_dcp(state: MutableMapping[str, Any], path: str) -> None:
+    """Restore ``state`` in place from the DCP checkpoint directory ``path`` (a
+    collective under ``torch.distributed``: every rank calls it).
+
+    Raises:
+        ConfigError: ``path`` is not a DCP checkpoint (no ``.metadata``).
+        CheckpointError: the checkpoint does not fit ``state`` (as ``load_state_dict``).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(f"{path} is not a torch.distributed.checkpoint directory (no .metadata)")
+    meta = dcp.FileSystemReader(path).read_metadata()
+    want = reshard.targets(state)
+    DTensor = dtensor_type()  # noqa: N806
+    flat: dict[str, Any] = {}
+    paths: dict[str, tuple[Any, ...]] = {}
+    for fqn, md in meta.state_dict_metadata.items():
+        path_ = tuple((meta.planner_data or {}).get(fqn, tuple(fqn.split("."))))
+        paths[fqn] = path_
+        if not isinstance(md, TensorStorageMetadata):
+            flat[fqn] = None  # bytes: DCP replaces the value
+            continue
+        target = want.get("user." + ".".join(map(str, path_)))
+        shape = list(md.size)
+        if DTensor is not None and isinstance(target, DTensor) and list(target.shape) == shape:
+            _, lengths, _ = dtensor_box(target)
+            local = torch.empty(lengths, dtype=md.properties.dtype)
+            flat[fqn] = DTensor.from_local(
+                local, target.device_mesh, target.placements, run_check=False,
+                shape=target.shape, stride=target.stride(),
+            )  # fmt: skip
+        else:
+            flat[fqn] = torch.empty(shape, dtype=md.properties.dtype)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    dcp.load(flat, checkpoint_id=path, no_dist=no_dist)
+    user: dict[Any, Any] = {}
+    for fqn, value in flat.items():
+        node = user
+        *parents, leaf = paths[fqn]
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
+    _lists_back(user)
+    restore(state, {"version": TREE_VERSION, "user": user, "rng": None}, where=f"DCP {path}")
+
+
+def _lists_back(node: dict[Any, Any]) -> None:
+    """Undo DCP's flattening where it lost types: ``param_groups`` (a list, indexed by
+    int in the paths) becomes a list again, and an optimizer ``state`` keyed by
+    parameter index (strings in the paths) is keyed by int as ``Optimizer.state_dict``
+    numbers it."""
+    for k, v in list(node.items()):
+        if isinstance(v, dict):
+            _lists_back(v)
+            if k == "param_groups" and sorted(v) == list(range(len(v))):
+                node[k] = [v[i] for i in range(len(v))]
+            elif k == "state" and v and all(isinstance(i, str) and i.isdigit() for i in v):
+                node[k] = {int(i): x for i, x in v.items()}
