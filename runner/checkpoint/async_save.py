@@ -50,7 +50,6 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.checkpointer import SaveHandle
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.manifest import Manifest, utc_now

@@ -444,9 +444,7 @@ class Checkpointer:
         saves pass a zero-copy writer over their host buffers, :mod:`.arena`).
         """
 
-        def make(
-            shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None
-        ) -> Manifest:
+        def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
             return self._manifest(
                 step, kind, shards, compat, metrics, created_utc, started, mkey, lay
             )

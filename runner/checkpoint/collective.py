@@ -55,8 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from ckrun.checkpoint import layout
-from ckrun.checkpoint import sharding
+from ckrun.checkpoint import layout, sharding
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.checkpoint.state import restore
@@ -215,9 +214,7 @@ class _Report:
 MakeManifest = Callable[[tuple[ShardInfo, ...], str, "dict[str, Any] | None"], Manifest]
 
 
-def _write_own(
-    ck: Checkpointer, step: int, snap: sharding.Planned, area: layout.Area
-) -> _Report:
+def _write_own(ck: Checkpointer, step: int, snap: sharding.Planned, area: layout.Area) -> _Report:
     key = layout.shard_key(step, ck.rank, ck.attempt, area)
     out = sharding.write_object(ck.storage.open_write(key), snap)
     return _Report(key, out.size_bytes, out.checksum, None, sharding.layout_part(snap, out))

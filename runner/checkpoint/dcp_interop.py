@@ -55,8 +55,8 @@ def export_dcp(run: str | Storage, out: str, *, step: int | None = None) -> Mani
             an empty directory.
         CorruptCheckpoint: the checkpoint does not verify (ranged reads, CRC32C).
     """
-    import torch.distributed.checkpoint as dcp
     from ckrun.storage import open_storage
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     storage = open_storage(run) if isinstance(run, str) else run
     m = _manifest(storage, step)
@@ -73,7 +73,7 @@ def export_dcp(run: str | Storage, out: str, *, step: int | None = None) -> Mani
     user = tree["user"] if isinstance(tree, Mapping) else None
     if not isinstance(user, dict):
         raise CheckpointError(f"{m.key}: no user state to export")
-    dcp.save(user, checkpoint_id=out, no_dist=True)
+    save(user, checkpoint_id=out, no_dist=True)
     return m
 
 
@@ -86,12 +86,13 @@ def load_dcp(state: MutableMapping[str, Any], path: str) -> None:
         CheckpointError: the checkpoint does not fit ``state`` (as ``load_state_dict``).
     """
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise ConfigError(f"{path} is not a torch.distributed.checkpoint directory (no .metadata)")
-    meta = dcp.FileSystemReader(path).read_metadata()
+    meta = FileSystemReader(path).read_metadata()
     want = reshard.targets(state)
     DTensor = dtensor_type()  # noqa: N806
     flat: dict[str, Any] = {}
@@ -114,7 +115,7 @@ def load_dcp(state: MutableMapping[str, Any], path: str) -> None:
         else:
             flat[fqn] = torch.empty(shape, dtype=md.properties.dtype)
     no_dist = not (dist.is_available() and dist.is_initialized())
-    dcp.load(flat, checkpoint_id=path, no_dist=no_dist)
+    load(flat, checkpoint_id=path, no_dist=no_dist)
     user: dict[Any, Any] = {}
     for fqn, value in flat.items():
         node = user

@@ -193,7 +193,9 @@ class Manifest:
         if lay is not None:
             problem = _layout_problem(lay, world)
             if problem:
-                raise CorruptCheckpoint(f"{where}: bad tensor_layout: {problem}", key=key, step=step)
+                raise CorruptCheckpoint(
+                    f"{where}: bad tensor_layout: {problem}", key=key, step=step
+                )
         return cls(
             run=_typed(obj, "run", str, where),
             step=step,

@@ -104,8 +104,7 @@ class _Reader:
         b, e, crc = self.lay["shards"][rank]["entries"][name]
         if e - b != fmt.nbytes(out):
             raise CorruptCheckpoint(
-                f"{self.keys[rank].key}: entry {name} is {e - b} bytes, expected "
-                f"{fmt.nbytes(out)}",
+                f"{self.keys[rank].key}: entry {name} is {e - b} bytes, expected {fmt.nbytes(out)}",
                 key=self.keys[rank].key,
             )
         self.read(rank, b, fmt.bytes_view(out), crc, name)
@@ -178,9 +177,7 @@ def _global(reader: _Reader, name: str, target: Any) -> Any:
     return full
 
 
-def load_tree(
-    storage: Storage, m: Manifest, *, source_rank: int, want: Mapping[str, Any]
-) -> Any:
+def load_tree(storage: Storage, m: Manifest, *, source_rank: int, want: Mapping[str, Any]) -> Any:
     """The state tree of format-2 checkpoint ``m`` for this rank (module docstring).
 
     Args:

@@ -252,9 +252,7 @@ def _nb(t: HostArray) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else int(t.nbytes)
 
 
-def decode_tree(
-    tree: Any, tensors: list[Any], key: str, *, resolve_global: Any = None
-) -> Any:
+def decode_tree(tree: Any, tensors: list[Any], key: str, *, resolve_global: Any = None) -> Any:
     """The state tree of a shard header with its placeholders replaced: ``tensor`` by
     ``tensors[i]``, ``global`` (format 2) by ``resolve_global(name)``.
 

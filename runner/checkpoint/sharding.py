@@ -29,9 +29,8 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import crc32c
 import torch
@@ -101,6 +100,7 @@ def tensor_paths(tree: Any) -> list[str]:
             for j, (k, x) in enumerate(v["items"]):
                 plain = isinstance(k, (str, int)) and not isinstance(k, bool)
                 walk(x, f"{path}.{k if plain else f'#{j}'}")
+
     walk(tree, "")
     names, seen = [], set()
     for i in range(len(out)):
@@ -151,9 +151,7 @@ def _cut(t: torch.Tensor, offsets: list[int], limit: int) -> list[tuple[torch.Te
         return [(t, [])]
     row = max(1, t[0].numel() * t.element_size())
     rows = max(1, limit // row)
-    return [
-        (t[a : a + rows], [offsets[0] + a, *offsets[1:]]) for a in range(0, t.shape[0], rows)
-    ]
+    return [(t[a : a + rows], [offsets[0] + a, *offsets[1:]]) for a in range(0, t.shape[0], rows)]
 
 
 def _fingerprint(t: torch.Tensor) -> int:
@@ -208,7 +206,7 @@ def plan(snap: fmt.Snapshot, group: Group, *, limit: int | None = None) -> Plann
 def _bytes_of(kind: list[Any]) -> int:
     if kind[0] == "local":
         return 0
-    return math.prod(kind[2]) * fmt.DTYPES[kind[1]].itemsize
+    return int(math.prod(kind[2]) * fmt.DTYPES[kind[1]].itemsize)
 
 
 def _build(
@@ -234,7 +232,7 @@ def _build(
         globals_[name] = [kinds[i][1], kinds[i][2]]
         if global_of[i] == -1:
             offsets, _, writes = dtensor_box(t)
-            local = t.to_local().contiguous() if writes else None  # type: ignore[attr-defined]
+            local = cast(Any, t).to_local().contiguous() if writes else None
         else:
             offsets, writes = [0] * len(kinds[i][2]), global_of[i] == rank
             local = t if writes else None
@@ -315,7 +313,5 @@ def merge_layout(parts: list[dict[str, Any]]) -> dict[str, Any]:
                 f"the saved pieces of {g} cover {covered} of {math.prod(spec['shape'])} "
                 "elements: the ranks did not plan the same save"
             )
-    shards = [
-        {k: part[k] for k in ("header_bytes", "header_crc", "entries")} for part in parts
-    ]
+    shards = [{k: part[k] for k in ("header_bytes", "header_crc", "entries")} for part in parts]
     return {"version": LAYOUT_VERSION, "shards": shards, "tensors": tensors}

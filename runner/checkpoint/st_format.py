@@ -148,7 +148,9 @@ def build_header(
     return LEN.pack(len(body)) + body, tab, data_bytes
 
 
-def write(w: ObjectWriter, tree: Any, tensors: Sequence[fmt.HostArray], names: Sequence[str]) -> Written:
+def write(
+    w: ObjectWriter, tree: Any, tensors: Sequence[fmt.HostArray], names: Sequence[str]
+) -> Written:
     """Stream one shard into ``w`` (not committed), hashing each entry once.
 
     Raises:
@@ -215,12 +217,12 @@ def parse_header(buf: bytes, key: str) -> Header:
     try:
         entries, data_bytes = list(ck["entries"]), int(ck["data_bytes"])
         spans = []
-        for e in entries:
-            h = head[e["name"]]
+        for ent in entries:
+            h = head[ent["name"]]
             b, end = (int(x) for x in h["data_offsets"])
-            if not 0 <= b <= end or _entry_nbytes(e, key) != end - b:
-                raise ValueError(f"entry {e['name']!r} has bad offsets or size")
-            ranges[e["name"]] = (base + b, base + end)
+            if not 0 <= b <= end or _entry_nbytes(ent, key) != end - b:
+                raise ValueError(f"entry {ent['name']!r} has bad offsets or size")
+            ranges[ent["name"]] = (base + b, base + end)
             spans.append((b, end))
         pos = 0
         for b, end in sorted(spans):

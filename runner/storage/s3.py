@@ -276,7 +276,9 @@ class S3Storage:
             raise
         except Exception as exc:
             raise map_s3_error(
-                exc, op="get_object", url=f"{self.url}/{key}",
+                exc,
+                op="get_object",
+                url=f"{self.url}/{key}",
                 endpoint=self._client.meta.endpoint_url,
             ) from exc
         finally:

@@ -80,7 +80,9 @@ def test_a_dcp_checkpoint_seeds_a_run_and_the_run_resumes(tmp_path: Path) -> Non
         for a, b in zip(fresh["model"].parameters(), src["model"].parameters(), strict=True):
             assert torch.equal(a, b)
         got = fresh["optimizer"].state_dict()["state"]
-        assert torch.equal(got[1]["exp_avg_sq"], src["optimizer"].state_dict()["state"][1]["exp_avg_sq"])
+        assert torch.equal(
+            got[1]["exp_avg_sq"], src["optimizer"].state_dict()["state"][1]["exp_avg_sq"]
+        )
         # one more step of the seeded run equals one more step of the source
         for st in (fresh, src):
             torch.manual_seed(9)
@@ -99,7 +101,8 @@ def test_a_dcp_checkpoint_seeds_a_run_and_the_run_resumes(tmp_path: Path) -> Non
 def test_from_dcp_refuses_a_directory_without_metadata(tmp_path: Path) -> None:
     from ckrun.errors import ConfigError
 
-    with Checkpointer(str(tmp_path / "run"), lock=False) as ck, pytest.raises(
-        ConfigError, match="not a torch.distributed.checkpoint"
+    with (
+        Checkpointer(str(tmp_path / "run"), lock=False) as ck,
+        pytest.raises(ConfigError, match="not a torch.distributed.checkpoint"),
     ):
         ck.load(_state(0, steps=0), from_dcp=str(tmp_path))

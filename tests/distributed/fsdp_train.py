@@ -42,9 +42,7 @@ class Tiny(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, 16)
-        self.block = torch.nn.TransformerEncoderLayer(
-            16, 2, 32, dropout=0.0, batch_first=True
-        )
+        self.block = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
         self.head = torch.nn.Linear(16, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

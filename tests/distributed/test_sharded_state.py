@@ -89,7 +89,10 @@ def test_ddp_state_loads_into_fsdp(tmp_path: Path) -> None:
 
 
 def _nbytes(spec: dict[str, Any]) -> int:
-    return math.prod(spec["shape"]) * torch.empty(0, dtype=getattr(torch, spec["dtype"])).element_size()
+    return (
+        math.prod(spec["shape"])
+        * torch.empty(0, dtype=getattr(torch, spec["dtype"])).element_size()
+    )
 
 
 def test_ddp_on_four_ranks_writes_the_replicated_state_once(tmp_path: Path) -> None:
@@ -127,7 +130,9 @@ def test_fsdp_rank_killed_mid_save_commits_nothing(tmp_path: Path) -> None:
     codes = wait_all(procs, timeout=T)
     assert codes[1] == -9 and codes[0] != 0
     assert [m["step"] for m in manifests(root)] == [2]
-    assert shard_files(root, 4) and not (root / "checkpoints/step-0000000004/manifest.json").exists()
+    assert (
+        shard_files(root, 4) and not (root / "checkpoints/step-0000000004/manifest.json").exists()
+    )
     for m in manifests(root):
         assert all(os.path.getsize(root / s["key"]) == s["size_bytes"] for s in m["shards"])
 
