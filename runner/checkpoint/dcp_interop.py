@@ -103,7 +103,7 @@ def load_dcp(state: MutableMapping[str, Any], path: str) -> None:
         if not isinstance(md, TensorStorageMetadata):
             flat[fqn] = None  # bytes: DCP replaces the value
             continue
-        target = want.get("user." + ".".join(map(str, path_)))
+        target = reshard.target_for(want, "user." + ".".join(map(str, path_)))
         shape = list(md.size)
         if DTensor is not None and isinstance(target, DTensor) and list(target.shape) == shape:
             _, lengths, _ = dtensor_box(target)

@@ -61,6 +61,13 @@ def targets(state: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def target_for(want: Mapping[str, Any], name: str) -> Any:
+    """The current tensor that global tensor ``name`` loads into: its own entry of
+    :func:`targets`, else (an optimizer state not created yet) its parameter's."""
+    t = want.get(name)
+    return t if t is not None else want.get(name.rsplit(".", 1)[0])
+
+
 class _Reader:
     """Verified ranged reads of one manifest's shards."""
 
@@ -202,7 +209,7 @@ def load_tree(storage: Storage, m: Manifest, *, source_rank: int, want: Mapping[
         else:
             tensors.append(None)
     return decode_tree(
-        h.tree, tensors, key, resolve_global=lambda g: _global(reader, g, want.get(g))
+        h.tree, tensors, key, resolve_global=lambda g: _global(reader, g, target_for(want, g))
     )
 
 

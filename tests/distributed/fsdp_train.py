@@ -124,6 +124,9 @@ def run(
     if args.load_only:
         body = gathered(model, opt)
         body.update(step=step, world=world, sampler=sampler.state_dict())
+        body["opt_types"] = sorted(
+            {type(v).__name__ for st in opt.state.values() for k, v in st.items() if k != "step"}
+        )
         torch.save(body, f"{args.load_only}.{rank}.pt")
         return 0
     g = torch.Generator().manual_seed(1234)

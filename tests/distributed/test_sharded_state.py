@@ -76,6 +76,8 @@ def test_fsdp_state_loads_on_another_layout(
     for r, got in enumerate(_loaded(tmp_path, w_load, load_layout)):
         _assert_equal_state(saved, got)
         assert got["step"] == 6 and got["world"] == w_load
+        # a fresh optimizer's state takes its parameter's layout (DTensor under FSDP2)
+        assert got["opt_types"] == (["DTensor"] if load_layout == "fsdp" else ["Tensor"])
         smp = got["sampler"]
         assert (smp["num_replicas"], smp["rank"]) == (w_load, r)
         assert smp["position"] == 6 * 4 * w_save // w_load
