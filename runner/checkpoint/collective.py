@@ -44,6 +44,7 @@ the same world size, rank 0's otherwise.
 
 from __future__ import annotations
 
+import atexit
 import datetime as dt
 import hashlib
 import logging
@@ -158,6 +159,7 @@ class Group:
                 )
             secs = float(os.environ.get(TIMEOUT_ENV, "1800"))
             self._pg = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=secs))
+            atexit.register(_destroy_at_exit, self._pg)
         return self._pg
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -199,6 +201,23 @@ class Group:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, (ok, why), group=self._group())
         return all(o[0] for o in out), [f"rank {r}: {o[1]}" for r, o in enumerate(out) if not o[0]]
+
+
+def _destroy_at_exit(pg: Any) -> None:
+    """Destroy the checkpoint's gloo group while the interpreter is still alive.
+
+    A gloo group left to interpreter finalization can abort the process ("terminate
+    called without an active exception", exit -6): its worker threads still hold work
+    objects whose tensors need the GIL when the C++ objects are torn down (see
+    pytorch/pytorch#179291).  Destroying a gloo group is local (no collective).
+    """
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group(pg)
+    except Exception as e:  # the process is ending: report, never raise from atexit
+        log.debug("destroying the checkpoint group at exit failed: %s", e)
 
 
 @dataclass(frozen=True)

@@ -200,8 +200,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     Raises:
         CheckpointError: the run has no final checkpoint (it did not complete).
     """
-    from ckrun.checkpoint import discovery
-    from ckrun.checkpoint import reshard
+    from ckrun.checkpoint import discovery, reshard
     from ckrun.checkpoint import shard as fmt
     from ckrun.storage import open_storage
 
