@@ -146,11 +146,16 @@ class _Reader:
 
         def one(job: tuple[Any, ...]) -> None:
             rank, entry, po, pl, lo, hi = job
+            dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets, strict=True))
+            view = out[dst]
+            if lo == po and [h - low for low, h in zip(lo, hi, strict=True)] == pl:
+                if view.is_contiguous():  # the whole piece lands in place: no copy
+                    self.entry(rank, entry, view)
+                    return
             piece = torch.empty(pl, dtype=dtype)
             self.entry(rank, entry, piece)
             src = tuple(slice(low - p, h - p) for low, h, p in zip(lo, hi, po, strict=True))
-            dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets, strict=True))
-            out[dst] = piece[src]
+            view.copy_(piece[src])
 
         if len(jobs) > 1:
             with ThreadPoolExecutor(min(READ_THREADS, len(jobs))) as pool:
