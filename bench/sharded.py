@@ -12,13 +12,13 @@ state after one step: 3x that in bytes) and, in the same processes:
 3. resharded loads of the checkpoints the previous world size wrote (W=2 loads W=1's,
    W=4 loads W=2's; a last launch of W=1 loads W=4's).
 
-Bytes written: the sum of the files each save created; the state size is the sum of the
+Bytes written: the sum of the files one save created; the state size is the sum of the
 global tensors' bytes (the manifest's tensor layout).  Times: rank 0's wall seconds from
 a barrier before the call to a barrier after it; the files are evicted from the page
 cache (``posix_fadvise(DONTNEED)`` on our own files only: the machine is shared) before
-each load.  One repeat: report ratios within the run, not absolute figures.
+each load; median of ``--repeats``.  Report ratios within the run, not absolute figures.
 
-Usage: python bench/sharded.py [--size-mib 64] [--layers 8] [--worlds 1,2,4]
+Usage: python bench/sharded.py [--size-mib 64] [--layers 8] [--worlds 1,2,4] [--repeats 3]
            [--dir /tmp/ckrun-bench-sharded] [--json OUT]
 """
 
@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -81,13 +82,17 @@ def rank_main(a: argparse.Namespace) -> None:
     res: dict[str, Any] = {}
 
     def timed(name: str, fn: Any, evict: str = "") -> Any:
-        if evict and rank == 0:
-            _evict(evict)
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = fn()
-        dist.barrier()
-        res[name] = time.perf_counter() - t0
+        """Median of ``--repeats`` runs of ``fn(i)`` (i: the repeat) in seconds."""
+        times, out = [], None
+        for i in range(a.repeats):
+            if evict and rank == 0:
+                _evict(evict)
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = fn(i)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        res[name] = statistics.median(times)
         return out
 
     def dcp_sd() -> dict[str, Any]:
@@ -96,27 +101,28 @@ def rank_main(a: argparse.Namespace) -> None:
     here, prev = os.path.join(a.root, "ckrun"), os.path.join(a.prev, "ckrun") if a.prev else ""
     if not a.load_only:
         ck = Checkpointer(here, lock=False, rng=False)
-        m = timed("ckrun_save_s", lambda: ck.save(1, state))
-        timed("dcp_save_s", lambda: dcp.save(dcp_sd(), checkpoint_id=os.path.join(a.root, "dcp")))
+        m = timed("ckrun_save_s", lambda i: ck.save(i + 1, state))
+        dcp_dir = os.path.join(a.root, "dcp")
+        timed("dcp_save_s", lambda i: dcp.save(dcp_sd(), checkpoint_id=f"{dcp_dir}-{i}"))
+        if rank == 0:
+            os.rename(f"{dcp_dir}-{a.repeats - 1}", dcp_dir)
+        dist.barrier()
         if rank == 0:
             lay = m.tensor_layout or {}
             res["state_bytes"] = sum(
                 _nbytes(s["shape"], s["dtype"]) for s in lay.get("tensors", {}).values()
             )
             res["ckrun_bytes"] = m.total_size_bytes
-            res["dcp_bytes"] = _du(os.path.join(a.root, "dcp"))
-        timed("ckrun_load_s", lambda: Checkpointer(here, lock=False, rng=False).load(state), here)
+            res["dcp_bytes"] = _du(dcp_dir)
+        timed("ckrun_load_s", lambda i: Checkpointer(here, lock=False, rng=False).load(state), here)
         sd = dcp_sd()
-        timed("dcp_load_s", lambda: dcp.load(sd, checkpoint_id=os.path.join(a.root, "dcp")), a.root)
+        timed("dcp_load_s", lambda i: dcp.load(sd, checkpoint_id=dcp_dir), dcp_dir)
     if prev:
         ckp = Checkpointer(prev, lock=False, rng=False)
-        timed("ckrun_reshard_load_s", lambda: ckp.load(state), prev)
+        timed("ckrun_reshard_load_s", lambda i: ckp.load(state), prev)
         sd = dcp_sd()
-        timed(
-            "dcp_reshard_load_s",
-            lambda: dcp.load(sd, checkpoint_id=os.path.join(a.prev, "dcp")),
-            a.prev,
-        )
+        prev_dcp = os.path.join(a.prev, "dcp")
+        timed("dcp_reshard_load_s", lambda i: dcp.load(sd, checkpoint_id=prev_dcp), prev_dcp)
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(res, f)
@@ -151,6 +157,7 @@ def main() -> None:
     p.add_argument("--size-mib", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layouts", default="ddp,fsdp")
     p.add_argument("--dir", default="/tmp/ckrun-bench-sharded")
     p.add_argument("--json", default="")
@@ -173,6 +180,7 @@ def main() -> None:
             out = os.path.join(a.dir, f"{layout}-w{w}.json")
             common = ["--layout", layout, "--size-mib", str(a.size_mib)]
             common += ["--layers", str(a.layers), "--root", root, "--out", out]
+            common += ["--repeats", str(a.repeats)]
             _launch(w, [*common, "--prev", prev])
             with open(out) as f:
                 rows.append({"layout": layout, "world": w, "from": _world_of(prev), **json.load(f)})
@@ -181,6 +189,7 @@ def main() -> None:
             w, out = worlds[0], os.path.join(a.dir, f"{layout}-back.json")
             root = os.path.join(a.dir, f"{layout}-back")
             common = ["--layout", layout, "--size-mib", str(a.size_mib), "--layers", str(a.layers)]
+            common += ["--repeats", str(a.repeats)]
             _launch(w, [*common, "--root", root, "--out", out, "--prev", prev, "--load-only"])
             with open(out) as f:
                 back = json.load(f)
