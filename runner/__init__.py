@@ -33,16 +33,16 @@ from ckrun.errors import (
     StorageFull,
 )
 from ckrun.notices import Notice
+from ckrun.version import __version__ as __version__
 
-__version__ = "0.1.0"
-
-# name -> module that defines it; imported on first attribute access.
+# name -> (module, attribute) that defines it; imported on first attribute access.
 _LAZY = {
-    "Checkpointer": "ckrun.checkpoint.checkpointer",
-    "Manifest": "ckrun.checkpoint.manifest",
-    "ResumableSampler": "ckrun.checkpoint.sampler",
-    "SaveHandle": "ckrun.checkpoint.checkpointer",
-    "open_storage": "ckrun.storage",
+    "Checkpointer": ("ckrun.checkpoint.checkpointer", "Checkpointer"),
+    "Manifest": ("ckrun.checkpoint.manifest", "Manifest"),
+    "ResumableSampler": ("ckrun.checkpoint.sampler", "ResumableSampler"),
+    "SaveHandle": ("ckrun.checkpoint.pipeline", "SaveHandle"),
+    # the run's storage as the environment configures it (CKRUN_LOCAL_TIER: two tiers)
+    "open_storage": ("ckrun.checkpoint.env", "open_storage_from_env"),
 }
 
 __all__ = [
@@ -67,9 +67,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
+    where = _LAZY.get(name)
+    if where is None:
         raise AttributeError(f"module 'ckrun' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
+    value = getattr(importlib.import_module(where[0]), where[1])
     globals()[name] = value
     return value

@@ -24,14 +24,12 @@ import os
 import signal
 import threading
 from types import FrameType
-from typing import Any
 
 from ckrun.notices import Notice
 from ckrun.storage.fsutil import write_json_atomic
 
 NOTICE_FILE = "notice.json"
 ESCALATE_FILE = "escalate"
-ACK_FILE = "ack.json"
 
 _flag = threading.Event()
 _received: list[int] = []
@@ -66,8 +64,8 @@ def write_escalation(cdir: str) -> None:
 
 
 def clear(cdir: str) -> None:
-    """Supervisor: remove notice, escalation and ack files before a new attempt."""
-    for name in (NOTICE_FILE, ESCALATE_FILE, ACK_FILE):
+    """Supervisor: remove the notice and escalation files before a new attempt."""
+    for name in (NOTICE_FILE, ESCALATE_FILE):
         try:
             os.unlink(os.path.join(cdir, name))
         except FileNotFoundError:
@@ -83,23 +81,6 @@ def read_notice(cdir: str | None = None) -> Notice | None:
         with open(os.path.join(cdir, NOTICE_FILE)) as f:
             return Notice.from_json(json.load(f))
     except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def write_ack(fields: dict[str, Any], cdir: str | None = None) -> None:
-    """Child: acknowledge the notice (e.g. ``{"step": 1200, "phase": "saving"}``)."""
-    cdir = cdir or control_dir()
-    if cdir:
-        write_json_atomic(os.path.join(cdir, ACK_FILE), dict(fields, pid=os.getpid()))
-
-
-def read_ack(cdir: str) -> dict[str, Any] | None:
-    """Supervisor: the child's last acknowledgement, or None."""
-    try:
-        with open(os.path.join(cdir, ACK_FILE)) as f:
-            body = json.load(f)
-        return body if isinstance(body, dict) else None
-    except (OSError, ValueError):
         return None
 
 

@@ -94,7 +94,7 @@ def test_drill_at_checks_per_attempt(tmp_path: Path) -> None:
         control.clear(str(tmp_path / "control"))
 
 
-def test_notice_round_trip_and_ack(tmp_path: Path) -> None:
+def test_notice_round_trip(tmp_path: Path) -> None:
     n = Notice.with_lead("preemption", "aws", 120, {"action": "terminate"})
     control.write_notice(str(tmp_path), n)
     back = control.read_notice(str(tmp_path))
@@ -102,6 +102,3 @@ def test_notice_round_trip_and_ack(tmp_path: Path) -> None:
     assert abs((back.deadline_utc - n.deadline_utc).total_seconds()) < 0.002
     (tmp_path / control.NOTICE_FILE).write_text("{not json")
     assert control.read_notice(str(tmp_path)) is None
-    control.write_ack({"step": 12}, str(tmp_path))
-    ack = control.read_ack(str(tmp_path))
-    assert ack is not None and ack["step"] == 12 and ack["pid"] == os.getpid()

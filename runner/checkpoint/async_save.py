@@ -1,4 +1,4 @@
-"""Background persist for ``Checkpointer.async_save`` (issue 7; DESIGN.md §3 step 1).
+"""Background persist for ``Checkpointer.async_save`` (DESIGN.md §3 step 1).
 
 ``async_save`` blocks only for the snapshot: the state (and RNG) is flattened and every
 tensor is copied into host buffers allocated on the first save and reused by the next
@@ -46,18 +46,18 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ckrun.checkpoint.checkpointer import SaveHandle
+from ckrun.checkpoint import pipeline
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
 from ckrun.checkpoint.sharding import Planned
 from ckrun.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from ckrun.checkpoint.checkpointer import Checkpointer
+__all__ = ["AsyncSaveHandle", "AsyncSaver", "SaveHandle", "check_step", "warn_sync_fallback"]
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +112,27 @@ class AsyncSaveHandle(SaveHandle):
 
 
 class AsyncSaver:
-    """The background persist of one :class:`Checkpointer` (see module docstring)."""
+    """The background persist of one :class:`~ckrun.Checkpointer` (module docstring).
 
-    def __init__(self, ckpt: Checkpointer, *, nice: int | None = None) -> None:
+    Args:
+        ctx: the Checkpointer's commit context (the pipeline's stages run on it).
+        compat_block: the Checkpointer's compat block of a state.
+        nice: the worker's CPU niceness (default ``CKRUN_PERSIST_NICE``, else 10).
+    """
+
+    def __init__(
+        self,
+        ctx: CommitContext,
+        compat_block: Callable[[Mapping[str, Any]], dict[str, Any]],
+        *,
+        nice: int | None = None,
+    ) -> None:
         if nice is None:
             from ckrun.checkpoint.env import env_int
 
             nice = env_int("CKRUN_PERSIST_NICE", PERSIST_NICE)
-        self._ckpt = ckpt
+        self._ctx = ctx
+        self._compat_block = compat_block
         self.buffers = HostBuffers()
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="ckrun-persist", initializer=lower_priority, initargs=(nice,)
@@ -147,19 +160,16 @@ class AsyncSaver:
         check_step(step)
         if self._closed:
             raise CheckpointError("async_save after close(): create a new Checkpointer")
-        ck = self._ckpt
-        ck._check_not_complete()
-        ck._acquire()
-        milestone = bool(ck.milestone_every and step % ck.milestone_every == 0)
-        kind = "milestone" if milestone else "recovery"
+        ctx = self._ctx
+        pipeline.begin(ctx)
+        kind = pipeline.kind_for(ctx, step)
         with self._lock:
             self.drain()
-            last = ck._written
-            if last is not None and last.step == step and last.kind == kind:
-                log.info("step %d already committed by this process: not saving it again", step)
+            last = pipeline.already_committed(ctx, step, kind)
+            if last is not None:
                 return SaveHandle.completed(last)
-            compat = ck.compat_block(state)
-            snap = self.buffers.stage(ck.snapshot(state))
+            compat = self._compat_block(state)
+            snap = self.buffers.stage(pipeline.snapshot(ctx, state))
             meta = copy.deepcopy(dict(metrics or {}))
             stall = time.monotonic() - started
             fut = self._pool.submit(self._persist, step, snap, kind, compat, meta, created, started)
@@ -178,7 +188,8 @@ class AsyncSaver:
         started: float,
     ) -> Manifest:
         t0 = time.monotonic()
-        m = self._ckpt.persist(
+        m = pipeline.persist(
+            self._ctx,
             step,
             snap,
             kind=kind,
@@ -186,11 +197,11 @@ class AsyncSaver:
             metrics=metrics,
             created_utc=created,
             started=started,
-            open_shard=self.buffers.writer_for(self._ckpt.storage),
+            open_shard=self.buffers.writer_for(self._ctx.storage),
         )
         self.last_persist_s = time.monotonic() - t0
         self.last_durable_s = time.monotonic() - started
-        self._ckpt._retain(m)
+        pipeline.retain(self._ctx, m)
         return m
 
     # -- waiting --------------------------------------------------------------------
@@ -278,7 +289,7 @@ class AsyncSaver:
 
     def estimates(self, h: AsyncSaveHandle) -> tuple[float, float]:
         """Seconds left for the in-flight save ``h`` and for a new synchronous save."""
-        w = self._ckpt._written
+        w = self._ctx.written
         rate = (
             h.nbytes / self.last_persist_s
             if self.last_persist_s
@@ -330,12 +341,6 @@ def _drain_at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
             file=sys.stderr,
             flush=True,
         )
-
-
-def check_step(step: Any) -> None:
-    """Raise CheckpointError unless ``step`` is an int >= 0."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
 
 
 _warned: list[bool] = []

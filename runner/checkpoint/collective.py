@@ -53,7 +53,7 @@ import random
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from ckrun.checkpoint import layout, sharding
@@ -62,9 +62,7 @@ from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.checkpoint.state import restore
 from ckrun.checkpoint.verify import head_problems
 from ckrun.errors import CheckpointError, ConfigError
-
-if TYPE_CHECKING:
-    from ckrun.checkpoint.checkpointer import Checkpointer
+from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
 
@@ -233,14 +231,34 @@ class _Report:
 MakeManifest = Callable[[tuple[ShardInfo, ...], str, "dict[str, Any] | None"], Manifest]
 
 
-def _write_own(ck: Checkpointer, step: int, snap: sharding.Planned, area: layout.Area) -> _Report:
+class RankWriter(Protocol):
+    """What a collective save reads of the saving rank (the Checkpointer's
+    :class:`~ckrun.checkpoint.pipeline.CommitContext`)."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+    @property
+    def run(self) -> str: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def group(self) -> Group: ...
+
+
+def _write_own(ck: RankWriter, step: int, snap: sharding.Planned, area: layout.Area) -> _Report:
     key = layout.shard_key(step, ck.rank, ck.attempt, area)
     out = sharding.write_object(ck.storage.open_write(key), snap)
     return _Report(key, out.size_bytes, out.checksum, None, sharding.layout_part(snap, out))
 
 
 def persist(
-    ck: Checkpointer,
+    ck: RankWriter,
     step: int,
     snap: sharding.Planned,
     *,
@@ -250,7 +268,7 @@ def persist(
     """Steps 2-4 of a collective save (module docstring); every rank calls it.
 
     Args:
-        ck: the rank's Checkpointer (``rank``, ``world_size``, ``storage``, ``attempt``).
+        ck: the rank's commit context (``storage``, ``run``, ``attempt``, ``rank``, ``group``).
         step: the step being saved (the same on every rank).
         snap: this rank's planned snapshot (:func:`ckrun.checkpoint.sharding.plan`).
         kind: ``recovery``, ``milestone`` or ``final``.
@@ -288,7 +306,7 @@ def persist(
 
 
 def _commit(
-    ck: Checkpointer,
+    ck: RankWriter,
     step: int,
     area: layout.Area,
     reports: list[_Report],

@@ -10,7 +10,8 @@ and a checkpoint that costs ``δ`` seconds of training time, is to first order
 Communications of the ACM 17(9):530-531, 1974; J. T. Daly, "A higher order estimate of
 the optimum checkpoint interval for restart dumps", Future Generation Computer Systems
 22(3):303-312, 2006, eq. 37 refines it and is :func:`daly_interval`).  Daly's complete
-model gives the expected wall time per interval, hence :func:`expected_goodput`.
+model gives the expected wall time per interval, hence :func:`expected_goodput`.  The
+formulas are in :mod:`ckrun.checkpoint.young_daly`; this module measures their inputs.
 
 Inputs, in order of precedence:
 
@@ -51,85 +52,34 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ckrun.checkpoint.young_daly import daly_interval, expected_goodput, young_daly_interval
 from ckrun.errors import ConfigError
 from ckrun.notices import parse_utc, utcnow
 from ckrun.runlog import read_events
+
+if TYPE_CHECKING:  # torch: not imported by ``ckrun status``
+    from ckrun.checkpoint.async_save import AsyncSaver
+    from ckrun.checkpoint.pipeline import CommitContext
+
+__all__ = [
+    "AutoInterval",
+    "History",
+    "IntervalEstimate",
+    "daly_interval",
+    "expected_goodput",
+    "parse_every",
+    "should_save",
+    "status_line",
+    "young_daly_interval",
+]
 
 #: Prior mean time between interruptions, seconds (one per hour: a spot VM's worst case).
 PRIOR_MTBI_S = 3600.0
 MIN_INTERVAL_S = 10.0
 MAX_INTERVAL_S = 6 * 3600.0
 INTERRUPTION_KINDS = frozenset({"notice", "preempted"})
-
-
-def young_daly_interval(save_cost_s: float, mtbi_s: float) -> float:
-    """First-order optimum compute time between checkpoints, sqrt(2 δ M) (Young 1974).
-
-    Args:
-        save_cost_s: δ, training time one checkpoint costs, seconds (>= 0).
-        mtbi_s: M, mean time between interruptions, seconds (> 0).
-
-    Returns:
-        The interval in seconds.
-
-    Raises:
-        ValueError: a negative cost or a non-positive MTBI.
-    """
-    _check(save_cost_s, mtbi_s)
-    return math.sqrt(2.0 * save_cost_s * mtbi_s)
-
-
-def daly_interval(save_cost_s: float, mtbi_s: float) -> float:
-    """Daly's higher-order optimum (Daly 2006, eq. 37), seconds.
-
-    ``sqrt(2δM)·[1 + sqrt(δ/2M)/3 + (δ/2M)/9] − δ`` for ``δ < 2M``, else ``M``.
-
-    Raises:
-        ValueError: as :func:`young_daly_interval`.
-    """
-    _check(save_cost_s, mtbi_s)
-    d, m = save_cost_s, mtbi_s
-    if d >= 2.0 * m:
-        return m
-    r = d / (2.0 * m)
-    return math.sqrt(2.0 * d * m) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - d
-
-
-def expected_goodput(
-    interval_s: float, save_cost_s: float, mtbi_s: float, restart_s: float = 0.0
-) -> float:
-    """Expected fraction of wall time that becomes kept progress (Daly 2006, eq. 20).
-
-    Wall time per ``interval_s`` of work: ``M e^{R/M} (e^{(T+δ)/M} − 1)`` for Poisson
-    interruptions with mean ``M``, a checkpoint cost ``δ`` and a restart cost ``R``.
-
-    Args:
-        interval_s: T, compute seconds between checkpoints (> 0).
-        save_cost_s: δ, seconds per checkpoint.
-        mtbi_s: M, seconds.
-        restart_s: R, seconds from an interruption to training again (>= 0).
-
-    Returns:
-        Goodput in (0, 1].
-
-    Raises:
-        ValueError: non-positive interval or MTBI, negative cost or restart.
-    """
-    _check(save_cost_s, mtbi_s)
-    if interval_s <= 0 or restart_s < 0:
-        raise ValueError(
-            f"interval_s must be > 0 and restart_s >= 0 (got {interval_s}, {restart_s})"
-        )
-    m = mtbi_s
-    wall = m * math.exp(restart_s / m) * math.expm1((interval_s + save_cost_s) / m)
-    return min(1.0, interval_s / wall)
-
-
-def _check(save_cost_s: float, mtbi_s: float) -> None:
-    if not (save_cost_s >= 0 and mtbi_s > 0) or math.isinf(save_cost_s):
-        raise ValueError(f"need save_cost_s >= 0 and mtbi_s > 0 (got {save_cost_s}, {mtbi_s})")
 
 
 @dataclass(frozen=True)
@@ -388,16 +338,20 @@ def events_path_for(storage: Any) -> str | None:
     return path if isinstance(path, str) and os.path.exists(path) else None
 
 
-def auto_for(ckpt: Any) -> AutoInterval:
-    """The :class:`AutoInterval` of a Checkpointer: in-process costs, the run's history."""
+def auto_for(
+    ctx: CommitContext, saver: Callable[[], AsyncSaver | None], *, mtbi_s: float | None
+) -> AutoInterval:
+    """The :class:`AutoInterval` of a Checkpointer: in-process save costs (the last async
+    stall and durable time, else the last synchronous save's duration), the run's history
+    of interruptions (``events.jsonl``) unless ``mtbi_s`` is given."""
 
     def cost() -> tuple[float | None, float]:
-        a, w = ckpt._async, ckpt._written
+        a, w = saver(), ctx.written
         if a is not None and a.last_stall_s is not None:
             return float(a.last_stall_s), float(a.last_durable_s or 0.0)
         return (float(w.save_duration_s) if w is not None else None), 0.0
 
-    return AutoInterval(cost, events_path=events_path_for(ckpt.storage), mtbi_s=ckpt._mtbi_s)
+    return AutoInterval(cost, events_path=events_path_for(ctx.storage), mtbi_s=mtbi_s)
 
 
 def should_save(

@@ -155,7 +155,7 @@ class Manifest:
             CorruptCheckpoint: not JSON, a missing/extra/mistyped field, a bad key.
         """
         try:
-            obj = json.loads(data, parse_constant=_reject_constant)
+            obj = json.loads(data, parse_constant=reject_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise CorruptCheckpoint(f"{key or 'manifest'}: not valid JSON ({e})", key=key) from e
         return cls.from_json(obj, key=key)
@@ -170,14 +170,15 @@ class Manifest:
         expected = set(Manifest.__dataclass_fields__) - {"key"} | {"format", "format_version"}
         if obj["format_version"] == 1:
             expected.discard("tensor_layout")
-        _exact_fields(obj, expected, where)
-        step = _typed(obj, "step", int, where)
-        kind = _typed(obj, "kind", str, where)
+        exact_fields(obj, expected, where)
+        step = typed_field(obj, "step", int, where)
+        kind = typed_field(obj, "kind", str, where)
         if kind not in KINDS or step < 0:
             raise CorruptCheckpoint(f"{where}: invalid kind {kind!r} or step {step}", key=key)
         area: layout.Area = "final" if kind == "final" else "checkpoints"
-        shards = tuple(_shard(s, step, area, where) for s in _typed(obj, "shards", list, where))
-        world = _typed(obj, "world_size", int, where)
+        entries = typed_field(obj, "shards", list, where)
+        shards = tuple(parse_shard(s, step, area, where) for s in entries)
+        world = typed_field(obj, "world_size", int, where)
         if world < 1 or sorted(s.rank for s in shards) != list(range(world)):
             raise CorruptCheckpoint(
                 f"{where}: shards must cover ranks 0..{world - 1} once each", key=key, step=step
@@ -188,7 +189,7 @@ class Manifest:
         duration = obj["save_duration_s"]
         if not isinstance(duration, (int, float)) or isinstance(duration, bool):
             raise CorruptCheckpoint(f"{where}: save_duration_s must be a number", key=key)
-        drift = _typed(obj, "compat_drift", list, where)
+        drift = typed_field(obj, "compat_drift", list, where)
         lay = obj.get("tensor_layout")
         if lay is not None:
             problem = _layout_problem(lay, world)
@@ -197,19 +198,19 @@ class Manifest:
                     f"{where}: bad tensor_layout: {problem}", key=key, step=step
                 )
         return cls(
-            run=_typed(obj, "run", str, where),
+            run=typed_field(obj, "run", str, where),
             step=step,
             kind=kind,
-            attempt=_typed(obj, "attempt", int, where),
+            attempt=typed_field(obj, "attempt", int, where),
             world_size=world,
             shards=shards,
-            compat=_typed(obj, "compat", dict, where),
-            metrics=_typed(obj, "metrics", dict, where),
+            compat=typed_field(obj, "compat", dict, where),
+            metrics=typed_field(obj, "metrics", dict, where),
             resumed_from=resumed,
-            created_utc=_typed(obj, "created_utc", str, where),
-            committed_utc=_typed(obj, "committed_utc", str, where),
+            created_utc=typed_field(obj, "created_utc", str, where),
+            committed_utc=typed_field(obj, "committed_utc", str, where),
             save_duration_s=float(duration),
-            versions=_typed(obj, "versions", dict, where),
+            versions=typed_field(obj, "versions", dict, where),
             compat_drift=tuple(str(d) for d in drift),
             tensor_layout=lay,
             key=key,
@@ -239,7 +240,12 @@ def _layout_problem(layout: Any, world_size: int) -> str | None:
     return None
 
 
-def _reject_constant(name: str) -> Any:
+def reject_constant(name: str) -> Any:
+    """``parse_constant`` hook of ``json.loads``: NaN/Infinity are not checkpoint JSON.
+
+    Raises:
+        ValueError: always.
+    """
     raise ValueError(f"non-standard JSON constant {name}")
 
 
@@ -266,7 +272,12 @@ def check_format(obj: dict[str, Any], name: str, version: int, where: str) -> No
         )
 
 
-def _exact_fields(obj: dict[str, Any], expected: set[str], where: str) -> None:
+def exact_fields(obj: dict[str, Any], expected: set[str], where: str) -> None:
+    """Check that ``obj`` has exactly the ``expected`` keys.
+
+    Raises:
+        CorruptCheckpoint: naming the missing and unknown fields of ``where``.
+    """
     missing = sorted(expected - obj.keys())
     extra = sorted(obj.keys() - expected)
     if missing or extra:
@@ -275,7 +286,12 @@ def _exact_fields(obj: dict[str, Any], expected: set[str], where: str) -> None:
         )
 
 
-def _typed(obj: dict[str, Any], name: str, typ: type, where: str) -> Any:
+def typed_field(obj: dict[str, Any], name: str, typ: type, where: str) -> Any:
+    """``obj[name]``, checked to be a ``typ`` (a bool is not an int).
+
+    Raises:
+        CorruptCheckpoint: the field is missing or of another type.
+    """
     v = obj.get(name)
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
         raise CorruptCheckpoint(
@@ -284,11 +300,17 @@ def _typed(obj: dict[str, Any], name: str, typ: type, where: str) -> Any:
     return v
 
 
-def _shard(s: Any, step: int, area: layout.Area, where: str) -> ShardInfo:
+def parse_shard(s: Any, step: int, area: layout.Area, where: str) -> ShardInfo:
+    """One ``shards``/``artifacts`` entry of step ``step`` in ``area``, validated.
+
+    Raises:
+        CorruptCheckpoint: not an object, wrong fields, a key outside the step's
+            directory, an unsupported checksum, a negative size or rank.
+    """
     if not isinstance(s, dict):
         raise CorruptCheckpoint(f"{where}: a shard entry is not an object", key=where)
-    _exact_fields(s, {"key", "rank", "size_bytes", "checksum"}, where)
-    key = _typed(s, "key", str, where)
+    exact_fields(s, {"key", "rank", "size_bytes", "checksum"}, where)
+    key = typed_field(s, "key", str, where)
     try:
         validate_key(key)
     except InvalidKey as e:
@@ -299,12 +321,12 @@ def _shard(s: Any, step: int, area: layout.Area, where: str) -> ShardInfo:
             key=where,
             step=step,
         )
-    checksum = _typed(s, "checksum", str, where)
+    checksum = typed_field(s, "checksum", str, where)
     algo, _, digest = checksum.partition(":")
     if algo != CHECKSUM_ALGO or len(digest) != 8:
         raise CorruptCheckpoint(f"{where}: unsupported checksum {checksum!r}", key=where)
-    size = _typed(s, "size_bytes", int, where)
-    rank = _typed(s, "rank", int, where)
+    size = typed_field(s, "size_bytes", int, where)
+    rank = typed_field(s, "rank", int, where)
     if size < 0 or rank < 0:
         raise CorruptCheckpoint(f"{where}: negative size or rank in shard {key}", key=where)
     return ShardInfo(key, rank, size, checksum)

@@ -15,11 +15,11 @@ from ckrun.checkpoint import layout
 from ckrun.checkpoint.manifest import (
     Manifest,
     ShardInfo,
-    _exact_fields,
-    _reject_constant,
-    _shard,
-    _typed,
     check_format,
+    exact_fields,
+    parse_shard,
+    reject_constant,
+    typed_field,
     utc_now,
 )
 from ckrun.errors import CorruptCheckpoint
@@ -93,7 +93,7 @@ class CompletionMarker:
         """
         where = layout.COMPLETE
         try:
-            obj = json.loads(data, parse_constant=_reject_constant)
+            obj = json.loads(data, parse_constant=reject_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise CorruptCheckpoint(f"{where}: not valid JSON ({e})", key=where) from e
         if not isinstance(obj, dict):
@@ -111,11 +111,12 @@ class CompletionMarker:
             "artifacts",
             "committed_utc",
         }
-        _exact_fields(obj, fields, where)
-        step = _typed(obj, "final_step", int, where)
-        arts = tuple(_shard(a, step, "final", where) for a in _typed(obj, "artifacts", list, where))
-        count = _typed(obj, "shard_count", int, where)
-        mkey = _typed(obj, "manifest_key", str, where)
+        exact_fields(obj, fields, where)
+        step = typed_field(obj, "final_step", int, where)
+        entries = typed_field(obj, "artifacts", list, where)
+        arts = tuple(parse_shard(a, step, "final", where) for a in entries)
+        count = typed_field(obj, "shard_count", int, where)
+        mkey = typed_field(obj, "manifest_key", str, where)
         if count != len(arts) or count < 1 or mkey != layout.manifest_key(step, "final"):
             raise CorruptCheckpoint(
                 f"{where}: shard_count {count} / manifest_key {mkey!r} do not match the "
@@ -123,14 +124,14 @@ class CompletionMarker:
                 key=where,
             )
         return cls(
-            _typed(obj, "run", str, where),
+            typed_field(obj, "run", str, where),
             step,
             count,
-            _typed(obj, "config_hash", str, where),
-            _typed(obj, "artifact_kind", str, where),
+            typed_field(obj, "config_hash", str, where),
+            typed_field(obj, "artifact_kind", str, where),
             mkey,
             arts,
-            _typed(obj, "committed_utc", str, where),
+            typed_field(obj, "committed_utc", str, where),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import struct
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import crc32c
 import torch
@@ -56,7 +56,7 @@ TENSOR_ALIGN = 64
 MAX_HEADER_BYTES = 256 << 20
 TAG = "__ckrun__"
 
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
         torch.float64,
@@ -96,27 +96,14 @@ class Snapshot:
     nbytes: int
 
 
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-#: public names of the codec helpers (used by format 2, :mod:`ckrun.checkpoint.st_format`)
-DTYPES = _DTYPES
-
-
-def align(n: int, a: int) -> int:
+def align_up(n: int, a: int) -> int:
     """``n`` rounded up to a multiple of ``a``."""
-    return _align(n, a)
+    return (n + a - 1) // a * a
 
 
 def nbytes(t: HostArray) -> int:
     """Bytes of a tensor or ndarray."""
     return _nbytes(t)
-
-
-def bytes_view(t: HostArray) -> memoryview:
-    """Zero-copy byte view of a contiguous host tensor / array (keep ``t`` alive)."""
-    return _bytes_view(t)
 
 
 def snapshot(obj: Any, *, copy: bool = False) -> Snapshot:
@@ -205,7 +192,7 @@ def _mapping(v: Mapping[Any, Any], tensors: list[Any], path: str, copy: bool) ->
 def _tensor(t: torch.Tensor, tensors: list[Any], path: str, copy: bool) -> Any:
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
         raise CheckpointError(f"{path}: only dense tensors can be saved (got {t.layout})")
-    if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+    if str(t.dtype).removeprefix("torch.") not in DTYPES:
         raise CheckpointError(f"{path}: unsupported tensor dtype {t.dtype}")
     t = t.detach()
     if copy:
@@ -216,7 +203,7 @@ def _tensor(t: torch.Tensor, tensors: list[Any], path: str, copy: bool) -> Any:
     return _tag("tensor", i=len(tensors) - 1)
 
 
-def _bytes_view(t: HostArray) -> memoryview:
+def bytes_view(t: HostArray) -> memoryview:
     """Zero-copy byte view of a contiguous host tensor / array (keep ``t`` alive)."""
     if not isinstance(t, torch.Tensor):
         return memoryview(cast(Any, t.reshape(-1).view("uint8")))
@@ -224,10 +211,13 @@ def _bytes_view(t: HostArray) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
-def _table(snap: Snapshot) -> tuple[list[dict[str, Any]], int]:
+def data_table(snap: Snapshot) -> tuple[list[dict[str, Any]], int]:
+    """The header's tensor table of ``snap`` (dtype or numpy type, shape, offset and
+    bytes of each array in the data region, :data:`TENSOR_ALIGN`-aligned, in order) and
+    the data region's size in bytes."""
     table, off = [], 0
     for t in snap.tensors:
-        off = _align(off, TENSOR_ALIGN)
+        off = align_up(off, TENSOR_ALIGN)
         n = _nbytes(t)
         if not isinstance(t, torch.Tensor):
             entry = {"np": t.dtype.str, "shape": list(t.shape), "offset": off, "nbytes": n}
@@ -248,7 +238,7 @@ def write_shard(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
     Raises:
         StorageError: from the writer (``StorageFull`` names the key and bytes).
     """
-    table, data_bytes = _table(snap)
+    table, data_bytes = data_table(snap)
     header = json.dumps(
         {
             "format": FORMAT,
@@ -261,7 +251,7 @@ def write_shard(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
         allow_nan=False,
     ).encode()
     head = PREFIX.pack(MAGIC, len(header), crc32c.crc32c(header), 0) + header
-    data_offset = _align(len(head), DATA_ALIGN)
+    data_offset = align_up(len(head), DATA_ALIGN)
     crc = 0
     pos = 0
 
@@ -279,7 +269,7 @@ def write_shard(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             t = t.to("cpu")  # one tensor at a time: host memory stays bounded
         if entry["nbytes"]:
-            emit(_bytes_view(t))
+            emit(bytes_view(t))
     return pos, f"crc32c:{crc:08x}"
 
 
@@ -297,10 +287,3 @@ def write_object(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
         w.abort()
         raise
     return size, checksum
-
-
-def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any:
-    """Read and verify one shard: see :func:`ckrun.checkpoint.shard_reader.read_shard`."""
-    from ckrun.checkpoint.shard_reader import read_shard as _read
-
-    return _read(f, size_bytes=size_bytes, checksum=checksum, key=key)

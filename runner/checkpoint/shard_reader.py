@@ -20,11 +20,12 @@ from typing import IO, Any, cast
 
 import crc32c
 import torch
+from ckrun.checkpoint import st_format
 from ckrun.checkpoint.crc import combine as crc_combine
 from ckrun.checkpoint.manifest import UnsupportedFormat
 from ckrun.checkpoint.shard import (
-    _DTYPES,
     DATA_ALIGN,
+    DTYPES,
     FORMAT,
     FORMAT_VERSION,
     MAGIC,
@@ -32,8 +33,9 @@ from ckrun.checkpoint.shard import (
     PREFIX,
     TAG,
     HostArray,
-    _align,
-    _bytes_view,
+    align_up,
+    bytes_view,
+    nbytes,
 )
 from ckrun.errors import CheckpointError, CorruptCheckpoint
 
@@ -169,7 +171,7 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
     if crc32c.crc32c(header) != hcrc:
         raise CorruptCheckpoint(f"{key}: header checksum mismatch (damaged header)", key=key)
     meta = _parse_header(bytes(header), key)
-    data_offset = _align(PREFIX.size + hlen, DATA_ALIGN)
+    data_offset = align_up(PREFIX.size + hlen, DATA_ALIGN)
     if data_offset + meta["data_bytes"] != size_bytes:
         raise CorruptCheckpoint(
             f"{key}: header describes {data_offset + meta['data_bytes']} bytes, "
@@ -184,7 +186,7 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
             segs.append(memoryview(bytearray(entry["offset"] - pos)))
         t = _alloc(entry, key)
         if entry["nbytes"]:
-            segs.append(_bytes_view(t))
+            segs.append(bytes_view(t))
         tensors.append(t)
         pos = entry["offset"] + entry["nbytes"]
     if pos < meta["data_bytes"]:
@@ -204,8 +206,6 @@ def _read_v2(
     f: IO[bytes], first: bytes, crc: int, *, size_bytes: int, checksum: str, key: str
 ) -> Any:
     """Format 2 (:mod:`ckrun.checkpoint.st_format`): the whole shard, verified."""
-    from ckrun.checkpoint import st_format
-
     (hlen,) = st_format.LEN.unpack(first)
     if hlen > min(MAX_HEADER_BYTES, size_bytes - len(first)) or hlen < 2:
         raise CorruptCheckpoint(
@@ -226,7 +226,7 @@ def _read_v2(
         )
     tensors = [st_format.alloc(e) for e in h.entries]
     order = sorted(range(len(tensors)), key=lambda i: h.ranges[h.entries[i]["name"]][0])
-    segs = [_bytes_view(tensors[i]) for i in order if h.entries and _nb(tensors[i])]
+    segs = [bytes_view(tensors[i]) for i in order if nbytes(tensors[i])]
     crc = _read_segments(f, segs, crc, key)
     if f.read(1):
         raise CorruptCheckpoint(f"{key}: trailing bytes after {size_bytes}", key=key)
@@ -246,10 +246,6 @@ def _read_v2(
         return by_name[name]
 
     return decode_tree(h.tree, tensors, key, resolve_global=whole)
-
-
-def _nb(t: HostArray) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else int(t.nbytes)
 
 
 def decode_tree(tree: Any, tensors: list[Any], key: str, *, resolve_global: Any = None) -> Any:
@@ -325,7 +321,7 @@ def _alloc(e: dict[str, Any], key: str) -> HostArray:
         if dt.hasobject or math.prod(shape) * dt.itemsize != e["nbytes"]:
             raise CorruptCheckpoint(f"{key}: inconsistent array entry {e!r:.120}", key=key)
         return cast(HostArray, np.empty(shape, dtype=dt))
-    dtype = _DTYPES.get(e.get("dtype", ""))
+    dtype = DTYPES.get(e.get("dtype", ""))
     if dtype is None:
         raise CorruptCheckpoint(f"{key}: unknown tensor dtype {e.get('dtype')!r}", key=key)
     if math.prod(shape) * dtype.itemsize != e["nbytes"]:
@@ -361,7 +357,7 @@ def _decode_tag(tag: str, v: dict[str, Any], tensors: list[Any], key: str) -> An
     if tag == "bytes":
         return base64.b64decode(v["b64"])
     if tag == "dtype":
-        return _DTYPES[v["v"]]
+        return DTYPES[v["v"]]
     if tag == "device":
         return torch.device(v["v"])
     if tag == "npscalar":

@@ -30,7 +30,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import crc32c
 import torch
@@ -39,8 +39,17 @@ from ckrun.checkpoint import st_format
 from ckrun.errors import CheckpointError
 from ckrun.storage.base import ObjectWriter
 
-if TYPE_CHECKING:
-    from ckrun.checkpoint.collective import Group
+
+class Group(Protocol):
+    """The collective :func:`plan` needs (:class:`ckrun.checkpoint.collective.Group`)."""
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank, on every rank."""
+        ...
+
 
 TAG = fmt.TAG
 PIECE_BYTES = 16 << 20

@@ -143,7 +143,7 @@ def build_header(
         "ckrun": json.dumps(ck, separators=(",", ":"), allow_nan=False),
     }
     body = json.dumps({"__metadata__": meta, **head}, separators=(",", ":")).encode()
-    total = fmt.align(LEN.size + len(body), DATA_ALIGN)
+    total = fmt.align_up(LEN.size + len(body), DATA_ALIGN)
     body += b" " * (total - LEN.size - len(body))
     return LEN.pack(len(body)) + body, tab, data_bytes
 

@@ -135,3 +135,22 @@ def set_rng_state(rng: Mapping[str, Any]) -> None:
                 len(cuda),
                 torch.cuda.device_count() if torch.cuda.is_available() else 0,
             )
+
+
+def state_compat(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Compat fields read off the state: the class names of its optimizers
+    (``optimizer``) and learning-rate schedulers (``scheduler``), when it has any."""
+    auto = {
+        "optimizer": _class_names(state, torch.optim.Optimizer),
+        "scheduler": _class_names(state, torch.optim.lr_scheduler.LRScheduler),
+    }
+    return {k: v for k, v in auto.items() if v is not None}
+
+
+def _class_names(state: Mapping[str, Any] | None, base: type) -> str | None:
+    if not state:
+        return None
+    names = sorted(f"{k}={type(v).__name__}" for k, v in state.items() if isinstance(v, base))
+    if not names:
+        return None
+    return names[0].split("=", 1)[1] if len(names) == 1 else ",".join(names)

@@ -1,4 +1,4 @@
-"""Two-tier checkpoints: commit to the local tier, upload in the background (issue 5).
+"""Two-tier checkpoints: commit to the local tier, upload in the background.
 
 :class:`TieredStorage` is a :class:`~ckrun.storage.base.Storage` over a fast *local*
 tier (the VM's disk) and a durable *remote* tier (S3).  Give it to the Checkpointer as
@@ -369,10 +369,11 @@ def open_tiered(remote_url: str, local_dir: str, **kw: Any) -> TieredStorage:
 def open_from_env(url: str, environ: Mapping[str, str] | None = None) -> TieredStorage | None:
     """Two-tier storage for a remote ``url`` when ``CKRUN_LOCAL_TIER`` names a directory.
 
-    The hook for :func:`ckrun.storage.open_storage`: with ``CKRUN_LOCAL_TIER=/mnt/nvme/ckrun``
-    the run root ``s3://b/runs/NAME`` becomes local ``/mnt/nvme/ckrun/NAME`` + remote
-    ``s3://b/runs/NAME``.  ``CKRUN_UPLOAD_POLICY`` (``every``, ``milestones``,
-    ``emergency``, ``every:N``) and ``CKRUN_REMOTE_KEEP_LAST`` (default 3) tune it.
+    Used by :func:`ckrun.checkpoint.env.open_storage_from_env` (``ckrun.open_storage``):
+    with ``CKRUN_LOCAL_TIER=/mnt/nvme/ckrun`` the run root ``s3://b/runs/NAME`` becomes
+    local ``/mnt/nvme/ckrun/NAME`` + remote ``s3://b/runs/NAME``.  ``CKRUN_UPLOAD_POLICY``
+    (``every``, ``milestones``, ``emergency``, ``every:N``) and ``CKRUN_REMOTE_KEEP_LAST``
+    (default 3) tune it.
 
     Returns:
         None for a local ``url`` or when ``CKRUN_LOCAL_TIER`` is unset.

@@ -23,7 +23,7 @@ from ckrun.storage.base import Storage
 
 
 def _open(run_dir: str) -> Storage:
-    from ckrun.storage import open_storage
+    from ckrun.checkpoint.env import open_storage_from_env
 
     local = run_dir.removeprefix("file://")
     if "://" not in local and not os.path.isdir(local):
@@ -31,7 +31,7 @@ def _open(run_dir: str) -> Storage:
             f"{run_dir}: no such run directory; pass the run root "
             "(the directory holding checkpoints/ and run.json)"
         )
-    return open_storage(run_dir)
+    return open_storage_from_env(run_dir)
 
 
 def _size(n: int) -> str:

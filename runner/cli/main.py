@@ -59,9 +59,7 @@ def _cli_values(**kw: Any) -> dict[str, Any]:
 
 
 #: Commands written elsewhere: name -> (module, attribute).  Imported only when the
-#: command is invoked or help is listed, so ``ckrun run`` does not pay for them; a
-#: module that is not installed yet simply leaves its command out.
-#: ``check-resume`` goes here too.
+#: command is invoked or help is listed, so ``ckrun run`` does not pay for them.
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("ckrun.cli.checkpoints", "ls"),
     "verify": ("ckrun.cli.checkpoints", "verify"),
@@ -72,13 +70,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
 
 def _lazy(name: str) -> click.Command | None:
     module, attr = LAZY_COMMANDS[name]
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        if e.name != module:
-            raise
-        return None
-    cmd = getattr(mod, attr, None)
+    cmd = getattr(importlib.import_module(module), attr, None)
     return cmd if isinstance(cmd, click.Command) else None
 
 

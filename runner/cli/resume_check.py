@@ -201,10 +201,10 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
         CheckpointError: the run has no final checkpoint (it did not complete).
     """
     from ckrun.checkpoint import discovery, reshard
-    from ckrun.checkpoint import shard as fmt
-    from ckrun.storage import open_storage
+    from ckrun.checkpoint.env import open_storage_from_env
+    from ckrun.checkpoint.shard_reader import read_shard
 
-    storage = open_storage(run_root)
+    storage = open_storage_from_env(run_root)
     finals = [m for m in discovery.committed(storage) if m.kind == "final"]
     if not finals:
         raise CheckpointError(
@@ -218,7 +218,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
             shard = reshard.full_state(storage, m, s.rank)
         else:
             with storage.open_read(s.key) as f:
-                shard = fmt.read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+                shard = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
         tree.update(shard if m.world_size == 1 else {f"rank{s.rank}": shard})
     return m.step, tree
 

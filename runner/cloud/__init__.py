@@ -42,6 +42,7 @@ from typing import Any
 
 from ckrun.errors import ConfigError
 from ckrun.notices import NoticeSource
+from ckrun.options import coerce_fields
 
 from .aws import AwsSpotSource, aws_default_endpoint
 from .azure import AzureScheduledEventsSource
@@ -83,6 +84,14 @@ class CloudOptions:
     azure_vm_name: str | None = None
     metadata_timeout_s: float = 1.0
 
+    def __post_init__(self) -> None:
+        """Coerce every value to its field's type (:func:`ckrun.options.coerce`).
+
+        Raises:
+            ConfigError: a value that does not convert, naming its key.
+        """
+        coerce_fields(self)
+
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any]) -> CloudOptions:
         """Pick this dataclass's keys out of a (larger) resolved config mapping.
@@ -92,10 +101,7 @@ class CloudOptions:
                 non-positive timeout.
         """
         names = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in config.items() if k in names and v is not None}
-        if "azure_event_types" in kw:
-            kw["azure_event_types"] = tuple(kw["azure_event_types"])
-        opts = cls(**kw)
+        opts = cls(**{k: v for k, v in config.items() if k in names and v is not None})
         for key, floor in (
             ("aws_poll_interval_s", 5.0),
             ("gcp_poll_interval_s", 1.0),

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from ckrun.errors import ConfigError
+from ckrun.options import coerce_fields
 
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 #: ``[prefix/]name`` label key (prefix: DNS subdomain; name: <= 63 characters).
@@ -95,21 +95,13 @@ class Options:
             ConfigError: a value has the wrong type or is out of range; the message
                 names the profile key and the fix.
         """
-        setattr_ = object.__setattr__
-        for key in ("node_selector", "tolerations", "image_pull_secrets", "ckrun_command"):
-            setattr_(self, key, _str_tuple(key, getattr(self, key)))
-        for key in ("cpu", "memory", "shm_size"):
-            setattr_(self, key, str(getattr(self, key)))
+        coerce_fields(self)  # YAML lists and comma-separated strings -> tuples, "8" -> 8
         self.node_selector_map()
         self.toleration_list()
         _check_int("gpus", self.gpus, 0)
         _check_int("termination_grace_period_s", self.termination_grace_period_s, 1)
         _check_int("backoff_limit", self.backoff_limit, 0)
         _check_int("ttl_after_finished_s", self.ttl_after_finished_s, 0)
-        for key in ("save_time_s", "grace_margin_s"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{key} must be a number of seconds >= 0, got {value!r}")
         for key in ("cpu", "memory", "shm_size"):
             value = getattr(self, key)
             if value and not _QUANTITY.match(str(value)):
@@ -136,17 +128,9 @@ class Options:
         return [parse_toleration(t) for t in self.tolerations]
 
 
-def _check_int(key: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_int(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
         raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
-
-
-def _str_tuple(key: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{key} must be a list of strings, got {value!r}")
-    return tuple(value)
 
 
 def parse_node_selector(items: tuple[str, ...]) -> dict[str, str]:

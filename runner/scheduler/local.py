@@ -25,6 +25,49 @@ from ckrun.scheduler.base import JobInfo, JobSpec, JobState, RequeueOutcome
 #: A drill notice's own lead time, seconds; the supervisor caps it by ``grace_s``.
 CHAOS_LEAD_S = 3600.0
 
+#: Signals reset to their default action in the detached supervisor (Python ignores
+#: SIGPIPE and SIGXFSZ; a caller may have handlers or ignores for the rest).
+RESET_SIGNALS = tuple(
+    getattr(signal, n)
+    for n in (
+        "SIGPIPE",
+        "SIGXFSZ",
+        "SIGTERM",
+        "SIGINT",
+        "SIGHUP",
+        "SIGQUIT",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGCHLD",
+        "SIGALRM",
+    )
+    if hasattr(signal, n)
+)
+
+
+def spawn_detached(argv: list[str], env: dict[str, str], *, output_fd: int) -> int:
+    """Start ``argv`` in a new session (no controlling terminal, its own process group),
+    stdout and stderr on ``output_fd``, default signal dispositions and no blocked
+    signals; returns its pid.  Unlike the supervisor's training child
+    (:func:`ckrun.supervisor.process.spawn`), nothing ties its life to this process.
+
+    Raises:
+        OSError: the command cannot be executed (the message names it).
+    """
+    actions = [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
+    try:
+        return os.posix_spawnp(
+            argv[0],
+            argv,
+            env,
+            file_actions=actions,
+            setsid=True,
+            setsigmask=(),
+            setsigdef=RESET_SIGNALS,
+        )
+    except OSError as e:
+        raise OSError(e.errno, f"cannot run {argv[0]!r}: {e.strerror}") from e
+
 
 @dataclass(frozen=True)
 class Options:
@@ -102,20 +145,18 @@ class LocalScheduler:
         Raises:
             SchedulerError: the supervisor could not be started.
         """
-        from ckrun.supervisor.process import spawn
-
         log = spec.env.get("CKRUN_SUPERVISOR_LOG") or os.path.join(spec.storage, "supervisor.log")
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
         env = dict(os.environ, **spec.env)
         try:
             fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                child = spawn(self._argv(spec), env, output_fd=fd)
+                pid = spawn_detached(self._argv(spec), env, output_fd=fd)
             finally:
                 os.close(fd)
         except OSError as e:
             raise SchedulerError(f"cannot start the local supervisor: {e}") from e
-        return str(child.pid)
+        return str(pid)
 
     def status(self, job_id: str) -> JobState:
         """RUNNING while the supervisor pid exists, else UNKNOWN (see ``ckrun status``)."""

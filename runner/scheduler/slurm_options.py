@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckrun.errors import ConfigError
+from ckrun.options import coerce_fields
 from ckrun.scheduler.slurm_jobs import parse_time_limit_s
 
 #: signals Slurm's ``--signal`` accepts that make sense as a notice.
@@ -77,14 +78,11 @@ class Options:
     def __post_init__(self) -> None:
         """Normalise and validate. Raises ``ConfigError`` naming the key and the fix."""
         put = object.__setattr__
-        for name in ("setup", "extra_sbatch"):  # YAML lists arrive as lists
-            value = getattr(self, name)
-            put(self, name, (value,) if isinstance(value, str) else tuple(map(str, value)))
+        coerce_fields(self)  # "4" -> 4, "" -> None for optional keys, YAML lists -> tuples
         for name in ("nodes", "lead_s", *_OPTIONAL_INTS):
-            put(self, name, _as_int(name, getattr(self, name)))
-        for name in ("partition", "mem", "account", "qos", "wckey"):
             value = getattr(self, name)
-            put(self, name, str(value) if value not in (None, "") else None)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must not be negative, got {value}")
         sig = str(self.signal).upper().removeprefix("SIG")
         if sig not in SIGNALS:
             raise ConfigError(f"signal {self.signal!r}: use one of {', '.join(SIGNALS)}")
@@ -136,19 +134,3 @@ def options_from_mapping(values: dict[str, Any]) -> Options:
     if unknown:
         raise ConfigError(f"unknown slurm option(s) {unknown}; valid: {', '.join(sorted(valid))}")
     return Options(**values)
-
-
-def _as_int(name: str, value: Any) -> int | None:
-    if value is None or (name in _OPTIONAL_INTS and value == ""):
-        if name in _OPTIONAL_INTS:
-            return None
-        raise ConfigError(f"{name} is required (a whole number)")
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a whole number, got {value!r}")
-    try:
-        number = int(str(value).strip())
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be a whole number, got {value!r}") from exc
-    if number < 0:
-        raise ConfigError(f"{name} must not be negative, got {number}")
-    return number

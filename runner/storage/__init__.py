@@ -8,12 +8,13 @@ __all__ = ["ObjectInfo", "ObjectWriter", "Storage", "open_storage", "validate_ke
 
 
 def open_storage(url: str) -> Storage:
-    """Open the storage named by ``url``.
+    """Open the storage named by ``url``: ``s3://bucket/prefix`` opens the S3 backend
+    (boto3, lazy import); anything else is a local directory (``file://`` prefix
+    optional), created if missing.
 
-    ``s3://bucket/prefix`` opens the S3 backend (boto3, lazy import) — or, when
-    ``CKRUN_LOCAL_TIER`` names a local directory, the two-tier storage that commits there
-    first and uploads in the background (:mod:`ckrun.checkpoint.tiering`); anything else
-    is a local directory (``file://`` prefix optional), created if missing.
+    The environment plays no part here; ``ckrun.open_storage``
+    (:func:`ckrun.checkpoint.env.open_storage_from_env`) adds the local tier that
+    ``CKRUN_LOCAL_TIER`` configures.
 
     Raises:
         ckrun.errors.ConfigError: for an unsupported URL scheme.
@@ -21,12 +22,7 @@ def open_storage(url: str) -> Storage:
     from ckrun.errors import ConfigError
 
     if url.startswith("s3://"):
-        from ckrun.checkpoint.tiering import open_from_env
         from ckrun.storage.s3 import S3Storage
-
-        tiered = open_from_env(url)  # CKRUN_LOCAL_TIER set: commit locally, upload after
-        if tiered is not None:
-            return tiered
 
         return S3Storage.from_url(url)
     if "://" in url and not url.startswith("file://"):

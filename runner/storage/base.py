@@ -16,7 +16,7 @@ protocol relies on:
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Protocol, runtime_checkable
 
@@ -129,6 +129,22 @@ class Storage(Protocol):
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys``; missing keys are ignored (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class WritesInPlace(Protocol):
+    """Optional capability of a :class:`Storage`: shard writes straight from a buffer.
+
+    The caller owns ``length`` bytes of page-aligned memory at address ``base`` (host
+    buffers of an async save) laid out as the data region of the file it writes; the
+    returned factory opens writers that send those bytes to the medium without a staging
+    copy (local ``O_DIRECT``: :class:`ckrun.storage.direct.ArenaWriter`).
+    """
+
+    def in_place_writer(self, base: int, length: int) -> Callable[[str], ObjectWriter] | None:
+        """A writer factory over the buffer, or None when this storage declines (then
+        the caller uses :meth:`Storage.open_write`)."""
         ...
 
 

@@ -1,6 +1,10 @@
 """``O_DIRECT`` streaming writes for :class:`ckrun.storage.local.LocalStorage`.
 
-Data is copied into two page-aligned staging buffers of :data:`STAGE_BYTES`; a writer
+:class:`DirectWriter` (any bytes, staged) is the default writer of ``open_write``;
+:class:`ArenaWriter` writes from a caller's page-aligned buffer in place
+(:meth:`ckrun.storage.local.LocalStorage.in_place_writer`, used by async saves).
+
+DirectWriter: data is copied into two page-aligned staging buffers of :data:`STAGE_BYTES`; a writer
 thread writes a full buffer with ``O_DIRECT`` (DMA from the buffer, no page cache) while
 the caller fills the other, so the copy overlaps the disk.  The copy is a
 ``ctypes.memmove``, which releases the GIL: a slice assignment would hold it, and the
@@ -16,18 +20,17 @@ import ctypes
 import mmap
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
-from ckrun.errors import StorageError, map_os_error
+from ckrun.errors import CheckpointError, ConfigError, StorageError, map_os_error
 from ckrun.storage.base import ObjectInfo
-from ckrun.storage.local import LocalWriter
-
-if TYPE_CHECKING:
-    from ckrun.storage.local import LocalStorage
+from ckrun.storage.local_writer import LocalRoot, LocalWriter
 
 STAGE_BYTES = 16 << 20
 BLOCK = 4096
+CHUNK = 32 << 20  # bytes per O_DIRECT request of an ArenaWriter
+INFLIGHT = 2  # requests an ArenaWriter queues on its I/O thread
 
 
 def _address(mv: memoryview) -> int | None:
@@ -44,7 +47,7 @@ class DirectWriter(LocalWriter):
         ckrun.storage.local.DirectUnsupported: the filesystem refuses ``O_DIRECT``.
     """
 
-    def __init__(self, storage: LocalStorage, key: str):
+    def __init__(self, storage: LocalRoot, key: str):
         super().__init__(storage, key, write_behind=False, extra_flags=os.O_DIRECT)
         self._bufs = [mmap.mmap(-1, STAGE_BYTES) for _ in range(2)]
         self._addrs = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in self._bufs]
@@ -98,7 +101,7 @@ class DirectWriter(LocalWriter):
         self.bytes_written += total
         return total
 
-    def commit(self) -> ObjectInfo:
+    def commit(self, *, if_absent: bool = False) -> ObjectInfo:
         """Write the padded tail, wait, truncate to the real size, then as LocalWriter."""
         if self._fd is None:
             raise StorageError(f"commit of {self.key} after commit/abort")
@@ -117,7 +120,7 @@ class DirectWriter(LocalWriter):
         except StorageError:
             self.abort()
             raise
-        info = super().commit()
+        info = super().commit(if_absent=if_absent)
         self._close_pool()
         return ObjectInfo(info.key, info.size_bytes, time.time())
 
@@ -132,3 +135,134 @@ class DirectWriter(LocalWriter):
 
     def _close_pool(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _max_rate() -> float:
+    """``CKRUN_PERSIST_MAX_MBPS`` in bytes/s (0: no cap), the optional persist rate cap.
+
+    Raises:
+        ConfigError: not a number >= 0.
+    """
+    raw = os.environ.get("CKRUN_PERSIST_MAX_MBPS", "").strip()
+    try:
+        v = float(raw) if raw else 0.0
+    except ValueError:
+        v = -1.0
+    if not v >= 0:
+        raise ConfigError(f"CKRUN_PERSIST_MAX_MBPS={raw!r}: expected MB/s >= 0 (0: no cap)")
+    return v * 1e6
+
+
+class ArenaWriter(LocalWriter):
+    """``O_DIRECT`` shard writes straight from a :class:`HostBuffers` arena.
+
+    The first ``write`` is the header block (a multiple of 4096 bytes, as
+    :func:`ckrun.checkpoint.shard.write_shard` emits it); every later byte at data
+    offset ``r`` must be the arena's byte ``r`` (copied there when it is not already).
+    The arena is ``length`` bytes of page-aligned memory at address ``base``, kept alive
+    by the caller until the commit (:class:`ckrun.checkpoint.host_buffers.HostBuffers`).
+
+    Raises:
+        DirectUnsupported: the filesystem refuses ``O_DIRECT``.
+    """
+
+    def __init__(self, storage: LocalRoot, key: str, base: int, length: int):
+        super().__init__(storage, key, write_behind=False, extra_flags=os.O_DIRECT)
+        self._base, self._len = base, length
+        self._data_off: int | None = None
+        self._head: mmap.mmap | None = None
+        self._sent = 0  # data bytes handed to the I/O thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckrun-arena-io")
+        self._futs: deque[Future[None]] = deque()
+        self._rate = _max_rate()
+        self._t0 = time.monotonic()
+
+    def _pwrite(self, mv: memoryview, off: int) -> None:
+        assert self._fd is not None
+        done = 0
+        while done < len(mv):
+            done += os.pwrite(self._fd, mv[done:], off + done)
+
+    def _submit(self, mv: memoryview, off: int) -> None:
+        self._futs.append(self._pool.submit(self._pwrite, mv, off))
+        while len(self._futs) > INFLIGHT:
+            self._futs.popleft().result()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Accept ``data`` (see class docstring); returns its length in bytes."""
+        if self._fd is None:
+            raise StorageError(f"write to {self.key} after commit/abort")
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        try:
+            if self._data_off is None:
+                self._header(mv)
+                return n
+            rel = self.bytes_written - self._data_off
+            if rel + n > self._len:
+                raise CheckpointError(
+                    f"{self.key}: shard data exceeds the host buffers "
+                    f"({rel + n} > {self._len} bytes)"
+                )
+            src = _address(mv)
+            if n and src != self._base + rel:  # not in place: copy it into the arena
+                ctypes.memmove(self._base + rel, src if src is not None else mv.tobytes(), n)
+            self.bytes_written += n
+            self._flush(final=False)
+        except OSError as e:
+            raise map_os_error(e, path=self._final, nbytes=n) from e
+        return n
+
+    def _header(self, mv: memoryview) -> None:
+        if len(mv) % BLOCK:
+            raise CheckpointError(
+                f"{self.key}: the shard header block is {len(mv)} bytes, "
+                "not a multiple of 4096 (format changed?)"
+            )
+        self._data_off = len(mv)
+        self._head = mmap.mmap(-1, max(len(mv), BLOCK))
+        self._head.write(mv)
+        self._submit(memoryview(self._head)[: len(mv)], 0)
+        self.bytes_written = len(mv)
+
+    def _flush(self, final: bool) -> None:
+        assert self._data_off is not None
+        ready = self.bytes_written - self._data_off
+        while ready - self._sent >= CHUNK or (final and ready > self._sent):
+            k = min(CHUNK, ready - self._sent)
+            span = min(
+                -(-k // BLOCK) * BLOCK, self._len - self._sent
+            )  # the tail: padded to a block
+            mv = memoryview((ctypes.c_char * span).from_address(self._base + self._sent))
+            self._submit(mv.cast("B"), self._data_off + self._sent)
+            self._sent += k
+            if self._rate:  # optional cap: sleep until the bytes sent fit the rate
+                time.sleep(max(0.0, self._sent / self._rate - (time.monotonic() - self._t0)))
+
+    def commit(self, *, if_absent: bool = False) -> ObjectInfo:
+        """Write the tail, wait for the I/O thread, truncate, then as LocalWriter."""
+        if self._fd is None:
+            raise StorageError(f"commit of {self.key} after commit/abort")
+        try:
+            if self._data_off is not None:
+                self._flush(final=True)
+            while self._futs:
+                self._futs.popleft().result()
+            os.ftruncate(self._fd, self.bytes_written)
+        except OSError as e:
+            self.abort()
+            raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
+        except BaseException:
+            self.abort()
+            raise
+        info = super().commit(if_absent=if_absent)
+        self._pool.shutdown(wait=True)
+        return info
+
+    def abort(self) -> None:
+        """Wait for queued writes (ignoring their errors), remove the temp file."""
+        for f in self._futs:
+            f.exception()
+        self._futs.clear()
+        self._pool.shutdown(wait=True)
+        super().abort()

@@ -20,166 +20,25 @@ Measurements: bench/README.md.
 from __future__ import annotations
 
 import builtins
-import ctypes
 import errno
 import os
-import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO
 
-from ckrun.errors import ObjectExists, ObjectNotFound, StorageError, map_os_error
-from ckrun.storage.base import ObjectInfo, validate_key
+from ckrun.errors import ObjectNotFound, StorageError, map_os_error
+from ckrun.storage.base import ObjectInfo, ObjectWriter
+from ckrun.storage.direct import ArenaWriter, DirectWriter
+from ckrun.storage.local_writer import (
+    TEMP_PREFIX,
+    WRITE_BEHIND_BYTES,
+    DirectUnsupported,
+    LocalWriter,
+    fsync_dir,
+    object_path,
+)
 
-TEMP_PREFIX = ".ckrun-tmp-"
-WRITE_BEHIND_BYTES = 32 * 1024 * 1024
-_MAX_WRITE = 1 << 30  # Linux writes at most 0x7ffff000 bytes per call
-
-_SFR_WAIT_BEFORE = 1
-_SFR_WRITE = 2
-_SFR_WAIT_AFTER = 4
-
-
-def _load_sync_file_range() -> object | None:
-    """``sync_file_range`` from libc via ctypes (releases the GIL), or None."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class DirectUnsupported(StorageError):
-    """The filesystem refused ``O_DIRECT`` (e.g. tmpfs); the caller falls back."""
-
-
-class LocalWriter:
-    """A streaming write to one key; see :class:`ckrun.storage.base.ObjectWriter`.
-
-    Attributes:
-        key: the destination key.
-        bytes_written: bytes written so far.
-    """
-
-    def __init__(
-        self, storage: LocalStorage, key: str, *, write_behind: bool = True, extra_flags: int = 0
-    ):
-        self.key = key
-        self._storage = storage
-        self._final = storage._path(key)
-        d = os.path.dirname(self._final)
-        storage._makedirs(d)
-        name = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(key)}"
-        self._tmp = os.path.join(d, name)
-        try:
-            self._fd: int | None = os.open(
-                self._tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags,
-                0o644,
-            )
-        except OSError as e:
-            if extra_flags and e.errno == errno.EINVAL:
-                raise DirectUnsupported(f"{d} does not support O_DIRECT") from e
-            raise map_os_error(e, path=self._final) from e
-        self.bytes_written = 0
-        self._behind = write_behind and _sync_file_range is not None
-        self._flushed = 0  # bytes handed to sync_file_range(WRITE)
-        self._waited = 0  # bytes known written back
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        """Append ``data`` (any size); returns ``len(data)`` in bytes.
-
-        Raises:
-            StorageFull: ENOSPC/EDQUOT, naming the key and the bytes of this write.
-            StorageError: any other I/O error.
-        """
-        if self._fd is None:
-            raise StorageError(f"write to {self.key} after commit/abort")
-        mv = memoryview(data).cast("B")
-        n = len(mv)
-        step = WRITE_BEHIND_BYTES if self._behind else _MAX_WRITE
-        done = 0
-        try:
-            while done < n:
-                k = os.write(self._fd, mv[done : done + step])
-                done += k
-                self.bytes_written += k
-                if self._behind and self.bytes_written - self._flushed >= WRITE_BEHIND_BYTES:
-                    self._write_behind()
-        except OSError as e:
-            raise map_os_error(e, path=self._final, nbytes=n) from e
-        return n
-
-    def _write_behind(self) -> None:
-        """Start write-back of the new window; wait for the one before the previous."""
-        assert self._fd is not None and _sync_file_range is not None
-        fn = _sync_file_range
-        start, end = self._flushed, self.bytes_written
-        fn(self._fd, start, end - start, _SFR_WRITE)  # type: ignore[operator]
-        if start - self._waited >= WRITE_BEHIND_BYTES:
-            w0, w1 = self._waited, start
-            flags = _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER
-            fn(self._fd, w0, w1 - w0, flags)  # type: ignore[operator]
-            # the pages are clean now: drop them so a big save does not evict the cache
-            os.posix_fadvise(self._fd, w0, w1 - w0, os.POSIX_FADV_DONTNEED)
-            self._waited = w1
-        self._flushed = end
-
-    def commit(self) -> ObjectInfo:
-        """fsync, rename over the final key, fsync the directory; returns its info.
-
-        Raises:
-            StorageFull, StorageError: the write could not be made durable; the temp
-                file is removed and nothing appears under the key.
-        """
-        if self._fd is None:
-            raise StorageError(f"commit of {self.key} after commit/abort")
-        try:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
-            os.replace(self._tmp, self._final)
-            _fsync_dir(os.path.dirname(self._final))
-        except OSError as e:
-            self.abort()
-            raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
-        return ObjectInfo(self.key, self.bytes_written, time.time())
-
-    def abort(self) -> None:
-        """Close and remove the temp file; idempotent."""
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
-        try:
-            os.unlink(self._tmp)
-        except OSError:
-            pass
-
-    def __enter__(self) -> LocalWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is not None:
-            self.abort()
-        elif self._fd is not None:
-            self.commit()
+__all__ = ["WRITE_BEHIND_BYTES", "DirectUnsupported", "LocalStorage", "LocalWriter"]
 
 
 class LocalStorage:
@@ -211,34 +70,34 @@ class LocalStorage:
         return f"LocalStorage({self.root!r})"
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *validate_key(key).split("/"))
-
-    def _makedirs(self, d: str) -> None:
-        """Create ``d`` and fsync each new entry's parent so the directories persist."""
-        missing: list[str] = []
-        cur = d
-        while not os.path.isdir(cur) and cur != self.root:
-            missing.append(cur)
-            cur = os.path.dirname(cur)
-        for m in reversed(missing):
-            try:
-                os.mkdir(m)
-            except FileExistsError:
-                continue
-            except OSError as e:
-                raise map_os_error(e, path=m) from e
-            _fsync_dir(os.path.dirname(m))
+        return object_path(self.root, key)
 
     def open_write(self, key: str) -> LocalWriter:
         """Start a streaming, atomic write to ``key`` (see :class:`LocalWriter`)."""
         if self.direct:
-            from ckrun.storage.direct import DirectWriter
-
             try:
                 return DirectWriter(self, key)
             except DirectUnsupported:
                 self.direct = False
         return LocalWriter(self, key, write_behind=self.write_behind)
+
+    def in_place_writer(self, base: int, length: int) -> Callable[[str], ObjectWriter] | None:
+        """``O_DIRECT`` shard writers straight from ``length`` bytes of page-aligned memory
+        at ``base`` (:class:`~ckrun.storage.base.WritesInPlace`); None when ``direct`` is
+        off, or for a subclass (it keeps its own ``open_write``).  Where the filesystem
+        refuses ``O_DIRECT`` the factory turns ``direct`` off and opens buffered writers."""
+        if type(self) is not LocalStorage or not self.direct:
+            return None
+
+        def open_shard(key: str) -> ObjectWriter:
+            if self.direct:
+                try:
+                    return ArenaWriter(self, key, base, length)
+                except DirectUnsupported:
+                    self.direct = False
+            return self.open_write(key)
+
+        return open_shard
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
         """Store ``data`` under ``key`` atomically and durably.
@@ -250,22 +109,7 @@ class LocalStorage:
         w = LocalWriter(self, key, write_behind=False)
         try:
             w.write(data)
-            if not if_absent:
-                return w.commit()
-            assert w._fd is not None
-            os.fsync(w._fd)
-            os.close(w._fd)
-            w._fd = None
-            try:
-                os.link(w._tmp, w._final)
-            except FileExistsError as e:
-                raise ObjectExists(
-                    f"{key} already exists in {self.url}: a conditional create lost the race"
-                ) from e
-            _fsync_dir(os.path.dirname(w._final))
-            return ObjectInfo(key, len(memoryview(data).cast("B")), time.time())
-        except OSError as e:
-            raise map_os_error(e, path=w._final) from e
+            return w.commit(if_absent=if_absent)
         finally:
             w.abort()  # closes a still-open temp file and removes it; no-op after commit
 
@@ -428,7 +272,7 @@ def _is_regular(mode: int) -> bool:
 
 def _fsync_dir_quiet(d: str) -> None:
     try:
-        _fsync_dir(d)
+        fsync_dir(d)
     except OSError:
         pass
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import crc32c
 from ckrun.errors import (
@@ -33,10 +33,7 @@ from ckrun.errors import (
     StoragePermissionError,
 )
 from ckrun.storage.base import ObjectInfo
-
-if TYPE_CHECKING:
-    from ckrun.storage.s3 import S3Options, S3Storage
-
+from ckrun.storage.s3_options import S3Options
 
 #: User metadata key holding the object's CRC32C (single PUTs), read back by every GET so
 #: the check does not depend on the store returning ``x-amz-checksum-crc32c``.
@@ -76,6 +73,20 @@ class RateLimiter:
             time.sleep(wait)
 
 
+class S3Bucket(Protocol):
+    """What :class:`S3Writer` uses of its storage (:class:`ckrun.storage.s3.S3Storage`)."""
+
+    @property
+    def options(self) -> S3Options: ...
+
+    @property
+    def limiter(self) -> RateLimiter: ...
+
+    def object_key(self, key: str) -> str: ...
+
+    def call(self, op: str, key: str, **kw: Any) -> Any: ...
+
+
 class S3Writer:
     """A streaming write to one key (see :class:`ckrun.storage.base.ObjectWriter`).
 
@@ -85,7 +96,7 @@ class S3Writer:
         crc: running CRC32C of the bytes written (int).
     """
 
-    def __init__(self, storage: S3Storage, key: str, *, if_absent: bool = False) -> None:
+    def __init__(self, storage: S3Bucket, key: str, *, if_absent: bool = False) -> None:
         self.key = key
         self.bytes_written = 0
         self.crc = 0

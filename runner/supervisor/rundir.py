@@ -7,7 +7,7 @@ Layout::
     <state root>/supervisor.log      output of a detached supervisor
     <state root>/job.json            backend + job id of a submitted job
     <state root>/cancelled.json      `ckrun cancel` happened: starts refuse to run
-    <state root>/control/            CKRUN_CONTROL_DIR: notice.json, escalate, ack.json,
+    <state root>/control/            CKRUN_CONTROL_DIR: notice.json, escalate,
                                      preempt-request.json, cancel-request.json
     <state root>/locks/supervisor.lock   filelock (flock) held by the live supervisor
     <state root>/locks/supervisor.json   its holder record: host, pid, attempt, started

@@ -30,7 +30,7 @@ def _write(obj: Any, tmp_path: Any) -> tuple[bytes, str]:
 
 
 def _read(data: bytes, crc: str, size: int | None = None) -> Any:
-    return fmt.read_shard(
+    return reader.read_shard(
         io.BytesIO(data), size_bytes=len(data) if size is None else size, checksum=crc, key="s.ckpt"
     )
 
@@ -187,7 +187,7 @@ def test_parallel_read_path(tmp_path: Any) -> None:
     st, size, crc, t = _big_shard(tmp_path)
     assert size >= 2 * reader.PARALLEL_MIN_BYTES // 2
     with st.open_read("s.ckpt") as f:
-        got = fmt.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
+        got = reader.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
     assert torch.equal(got["t"], t) and torch.equal(got["small"], torch.ones(3))
     path = st.local_path("s.ckpt")
     assert path is not None
@@ -197,9 +197,9 @@ def test_parallel_read_path(tmp_path: Any) -> None:
         fh.seek(size - (5 << 20))
         fh.write(bytes([b[0] ^ 4]))
     with pytest.raises(CorruptCheckpoint, match="checksum mismatch"), st.open_read("s.ckpt") as f:
-        fmt.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
+        reader.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
     import os
 
     os.truncate(path, size - 1000)
     with pytest.raises(CorruptCheckpoint, match="truncated"), st.open_read("s.ckpt") as f:
-        fmt.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
+        reader.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")

@@ -215,3 +215,24 @@ def test_open_from_env(moto_s3, tmp_path) -> None:
     assert t.local.url.endswith("nvme/r7")
     with pytest.raises(ConfigError):
         open_from_env(url, {"CKRUN_LOCAL_TIER": "/x", "CKRUN_REMOTE_KEEP_LAST": "0"})
+
+
+def test_the_storage_factory_reads_no_environment_and_ckrun_open_storage_does(
+    moto_s3, tmp_path, monkeypatch
+) -> None:
+    """ckrun.storage.open_storage is the storage layer's factory: CKRUN_LOCAL_TIER plays
+    no part; ckrun.open_storage (the public name) adds the local tier it names, or the
+    one passed as local_tier."""
+    from ckrun.storage import open_storage
+    from ckrun.storage.s3 import S3Storage
+
+    url = f"s3://{moto_s3.new_bucket()}/runs/r8"
+    monkeypatch.setenv("CKRUN_LOCAL_TIER", str(tmp_path / "nvme"))
+    assert type(open_storage(url)) is S3Storage
+    t = ckrun.open_storage(url)
+    assert isinstance(t, TieredStorage) and t.local.url == str(tmp_path / "nvme" / "r8")
+    monkeypatch.delenv("CKRUN_LOCAL_TIER")
+    assert type(ckrun.open_storage(url)) is S3Storage
+    t = ckrun.open_storage(url, local_tier=str(tmp_path / "ssd"))
+    assert isinstance(t, TieredStorage) and t.local.url == str(tmp_path / "ssd" / "r8")
+    assert type(ckrun.open_storage(str(tmp_path / "run"))) is LocalStorage

@@ -1,0 +1,289 @@
+"""The save pipeline of :class:`ckrun.Checkpointer`, over a small commit context.
+
+A save is, in order (DESIGN.md §3): **snapshot** (the state and RNG flattened, tensors
+referenced or copied to host) → **persist** (one shard per rank under an attempt-unique
+key, CRC32C while streaming) → **verify** (the shard's size read back by ``head``) →
+**commit** (the manifest, written last with a conditional create: one commit per step)
+→ **retain** (rank 0 deletes what retention no longer keeps).  With more than one rank
+persist/verify/commit are the collective of :mod:`ckrun.checkpoint.collective`.
+
+:class:`CommitContext` holds what these steps read (the storage, run, attempt, rank,
+world size, retention settings, the writer lock) and what they record for the next save
+and the next load (the step this process resumed from, the compat drift, the manifests
+it wrote or verified, the last manifest it committed).  The synchronous
+:meth:`~ckrun.Checkpointer.save` and the background persist of
+:mod:`ckrun.checkpoint.async_save` both run these functions on the Checkpointer's context.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from ckrun.checkpoint import collective, layout, retention, sharding
+from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint.commit import commit_manifest
+from ckrun.checkpoint.compat import normalize
+from ckrun.checkpoint.discovery import completion, scan
+from ckrun.checkpoint.lock import WriterLock
+from ckrun.checkpoint.manifest import Manifest, ShardInfo, utc_now
+from ckrun.checkpoint.state import capture
+from ckrun.errors import CheckpointError, RunComplete, StorageError
+from ckrun.storage.base import ObjectWriter, Storage
+
+log = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """A save that is running or done; ``result()`` returns its committed Manifest.
+
+    ``save`` returns manifests directly; ``async_save`` returns handles backed by a
+    background persist (:class:`ckrun.checkpoint.async_save.AsyncSaveHandle`).
+    """
+
+    def __init__(self, future: Future[Manifest]):
+        self._future = future
+
+    @classmethod
+    def completed(cls, manifest: Manifest) -> SaveHandle:
+        """A handle for a save that already committed."""
+        f: Future[Manifest] = Future()
+        f.set_result(manifest)
+        return cls(f)
+
+    def done(self) -> bool:
+        """True once the save committed or failed."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        """Wait (at most ``timeout`` seconds) and return the manifest; re-raises errors."""
+        return self._future.result(timeout)
+
+
+@dataclass
+class CommitContext:
+    """What each step of a save reads, and what it records (module docstring).
+
+    Attributes:
+        storage: the run root.
+        run, attempt: recorded in every manifest and shard key.
+        rank, world_size, group: this process in the job (``group``: the checkpoint's
+            own collectives).
+        keep_last, milestone_every: retention (see :mod:`ckrun.checkpoint.retention`).
+        rng: capture RNG states in the snapshot.
+        lock: the writer lock (rank 0), taken by :func:`begin`.
+        resumed_from: the step the last load restored (protected from retention).
+        drift: compat differences allowed at that load (recorded in new manifests).
+        verified: manifest keys this process wrote or verified (not re-hashed).
+        written: the last manifest this process committed.
+        complete: the run has its completion marker.
+    """
+
+    storage: Storage
+    run: str
+    attempt: int
+    rank: int
+    world_size: int
+    group: collective.Group
+    keep_last: int = 3
+    milestone_every: int | None = None
+    rng: bool = True
+    lock: WriterLock | None = None
+    resumed_from: int | None = None
+    drift: list[str] = field(default_factory=list)
+    verified: set[str] = field(default_factory=set)
+    written: Manifest | None = None
+    complete: bool = False
+
+
+def check_step(step: Any) -> None:
+    """Raise CheckpointError unless ``step`` is an int >= 0."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+
+
+def kind_for(ctx: CommitContext, step: int) -> str:
+    """``milestone`` for a step retention keeps forever, else ``recovery``."""
+    milestone = bool(ctx.milestone_every and step % ctx.milestone_every == 0)
+    return "milestone" if milestone else "recovery"
+
+
+def check_not_complete(ctx: CommitContext) -> None:
+    """Raise RunComplete once the run has its completion marker (nothing more saved)."""
+    if not ctx.complete:
+        marker, _ = completion(ctx.storage)
+        ctx.complete = marker is not None
+    if ctx.complete:
+        raise RunComplete(
+            f"run {ctx.run!r} in {ctx.storage.url} is complete "
+            f"({layout.COMPLETE} exists): nothing more is saved; start a "
+            "new run directory to train further"
+        )
+
+
+def acquire(ctx: CommitContext) -> None:
+    """Take the writer lock (rank 0; idempotent).
+
+    Raises:
+        RunLocked: another process writes this run.
+    """
+    if ctx.lock is not None:
+        ctx.lock.acquire()
+
+
+def begin(ctx: CommitContext) -> None:
+    """Before any save: the run is not complete, and this process holds the lock."""
+    check_not_complete(ctx)
+    acquire(ctx)
+
+
+def already_committed(ctx: CommitContext, step: int, kind: str) -> Manifest | None:
+    """The manifest this process last committed when it is ``step`` of ``kind`` (e.g. a
+    periodic save and then a preemption save at the same step boundary), else None."""
+    last = ctx.written
+    if last is not None and last.step == step and last.kind == kind:
+        log.info("step %d already committed by this process: not saving it again", step)
+        return last
+    return None
+
+
+def snapshot(
+    ctx: CommitContext, state: Mapping[str, Any], *, copy: bool = False
+) -> sharding.Planned:
+    """Step 1: the state (and RNG) flattened and cut into this rank's shard entries
+    (:func:`ckrun.checkpoint.sharding.plan`: a collective with more than one rank).
+
+    Args:
+        copy: clone tensors to host now (for a persist that overlaps training).
+    """
+    return sharding.plan(fmt.snapshot(capture(state, rng=ctx.rng), copy=copy), ctx.group)
+
+
+def persist(
+    ctx: CommitContext,
+    step: int,
+    snap: sharding.Planned,
+    *,
+    kind: str,
+    compat: dict[str, Any],
+    metrics: Mapping[str, Any] | None,
+    created_utc: str,
+    started: float,
+    open_shard: Callable[[str], ObjectWriter] | None = None,
+) -> Manifest:
+    """Steps 2-4: write the shard, check its size, commit the manifest.
+
+    ``open_shard`` opens the shard's writer (default ``storage.open_write``; async saves
+    pass a zero-copy writer over their host buffers, :mod:`ckrun.checkpoint.host_buffers`).
+
+    Raises:
+        StorageError: a write failed, or the shard reads back with another size.
+        CheckpointError: a collective save failed on another rank.
+    """
+
+    def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
+        return make_manifest(
+            ctx, step, kind, shards, compat, metrics, created_utc, started, mkey, lay
+        )
+
+    if ctx.world_size > 1:  # collective: every rank's shard, rank 0 commits
+        m = collective.persist(ctx, step, snap, kind=kind, make_manifest=make)
+        ctx.verified.add(m.key)
+        ctx.written = m
+        log.info(
+            "committed step %d (%s, %d ranks, %d bytes, %.3f s)",
+            step,
+            kind,
+            m.world_size,
+            m.total_size_bytes,
+            m.save_duration_s,
+        )
+        return m
+    area: layout.Area = "final" if kind == "final" else "checkpoints"
+    key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
+    out = sharding.write_object((open_shard or ctx.storage.open_write)(key), snap)
+    size, checksum = out.size_bytes, out.checksum
+    info = ctx.storage.head(key)
+    if info is None or info.size_bytes != size:
+        raise StorageError(
+            f"{key}: committed shard reads back as {info}, expected "
+            f"{size} bytes; the storage lost the write"
+        )
+    m = make(
+        (ShardInfo(key, ctx.rank, size, checksum),),
+        layout.manifest_key(step, area),
+        sharding.merge_layout([sharding.layout_part(snap, out)]),
+    )
+    mkey = m.key
+    m = commit_manifest(ctx.storage, m)  # conditional create: one commit per step
+    ctx.verified.add(mkey)
+    ctx.written = m
+    log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size, m.save_duration_s)
+    return m
+
+
+def make_manifest(
+    ctx: CommitContext,
+    step: int,
+    kind: str,
+    shards: tuple[ShardInfo, ...],
+    compat: dict[str, Any],
+    metrics: Mapping[str, Any] | None,
+    created_utc: str,
+    started: float,
+    mkey: str,
+    tensor_layout: dict[str, Any] | None = None,
+) -> Manifest:
+    """The manifest committing ``shards`` (built just before it is written)."""
+    return Manifest(
+        run=ctx.run,
+        step=step,
+        kind=kind,
+        attempt=ctx.attempt,
+        world_size=len(shards),
+        shards=shards,
+        compat=compat,
+        metrics=normalize(dict(metrics or {}), "metrics", lenient=True),
+        resumed_from=ctx.resumed_from,
+        created_utc=created_utc,
+        committed_utc=utc_now(),
+        save_duration_s=round(time.monotonic() - started, 6),
+        versions={
+            "ckrun": str(compat.get("ckrun_version")),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        compat_drift=tuple(ctx.drift),
+        tensor_layout=tensor_layout,
+        key=mkey,
+    )
+
+
+def retain(ctx: CommitContext, m: Manifest) -> None:
+    """Step 5 (rank 0 alone deletes): apply retention after committing ``m``; never
+    deletes ``m`` nor the step this process resumed from.  A storage error is logged:
+    the checkpoint is committed and retention retries after the next save."""
+    if ctx.rank != 0:
+        return
+    try:
+        sc = scan(ctx.storage)
+        broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
+        protect = {m.step} | ({ctx.resumed_from} if ctx.resumed_from is not None else set())
+        plan = retention.plan(
+            ctx.storage,
+            sc.manifests,
+            keep_last=ctx.keep_last,
+            milestone_every=ctx.milestone_every,
+            protect=protect,
+            broken_steps=broken,
+        )
+        retention.apply(ctx.storage, plan)
+        ctx.verified -= set(plan.manifests)
+    except StorageError as e:
+        log.warning("retention after step %d failed (will retry): %s", m.step, e)

@@ -1,0 +1,178 @@
+"""The load path of :class:`ckrun.Checkpointer`, over its commit context.
+
+Load = discover the committed manifests newest first → compat gate (a strict difference
+refuses the resume, :class:`~ckrun.errors.IncompatibleCheckpoint`) → read and verify
+this rank's shard (size, CRC32C) → restore in place, resharding when the world size
+changed.  A corrupt or missing shard is reported and the next older checkpoint is tried;
+with more than one rank every rank falls back together (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+from ckrun.checkpoint import collective, reshard
+from ckrun.checkpoint.compat import compare
+from ckrun.checkpoint.discovery import scan
+from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.pipeline import CommitContext
+from ckrun.checkpoint.shard_reader import read_shard
+from ckrun.checkpoint.state import restore
+from ckrun.checkpoint.verify import verify_manifest
+from ckrun.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    ObjectNotFound,
+)
+
+log = logging.getLogger(__name__)
+
+
+def gate(
+    ctx: CommitContext,
+    m: Manifest,
+    current: Mapping[str, Any],
+    *,
+    allow_change: Sequence[str],
+    policy: Mapping[str, str] | None,
+) -> list[str]:
+    """The compat gate of ``m`` against the current compat block; returns the drift.
+
+    Raises:
+        IncompatibleCheckpoint: a refusing difference (``.diff`` holds the lines).
+    """
+    allow = tuple(allow_change) + collective.allowed_changes(m, ctx.world_size)
+    cmp = compare(current, m.compat, allow_change=allow, policy=policy)
+    if cmp.refuse:
+        raise IncompatibleCheckpoint(
+            f"checkpoint step {m.step} in {ctx.storage.url} belongs to a different "
+            "experiment:\n  " + "\n  ".join(cmp.refuse) + "\nrestore the original "
+            "settings, allow the change (allow_change=(FIELD,) or --allow-change FIELD) "
+            "or start a new run directory",
+            diff=cmp.refuse,
+            step=m.step,
+        )
+    for w in cmp.warn:
+        log.warning("checkpoint step %d differs (recorded): %s", m.step, w)
+    return cmp.drift
+
+
+def read(ctx: CommitContext, m: Manifest, want: Mapping[str, Any]) -> Any:
+    """This rank's state tree of ``m``, read and verified: its shard (format 1), or
+    ranged reads of what it needs (format 2, :mod:`ckrun.checkpoint.reshard`; ``want``:
+    the targets of the state being restored).
+
+    Raises:
+        CheckpointError: ``m`` was saved on another world size in a format that does
+            not reshard.
+        CorruptCheckpoint, ObjectNotFound: the shard is missing, truncated or corrupt.
+    """
+    if m.world_size != ctx.world_size and not collective.reshards(m):
+        raise CheckpointError(
+            f"checkpoint step {m.step} has {m.world_size} shards in a "
+            "format that does not reshard; resume it on "
+            f"{m.world_size} ranks"
+        )
+    src = collective.source_rank(m, ctx.rank, ctx.world_size)
+    if m.tensor_layout is not None:  # format 2: ranged reads of what this rank needs
+        return reshard.load_tree(ctx.storage, m, source_rank=src, want=want)
+    s = next(s for s in m.shards if s.rank == src)
+    info = ctx.storage.head(s.key)
+    if info is None or info.size_bytes != s.size_bytes:
+        got = "missing" if info is None else f"{info.size_bytes} bytes"
+        raise CorruptCheckpoint(
+            f"{s.key}: {got}, manifest says {s.size_bytes} bytes (truncated)",
+            key=s.key,
+            step=m.step,
+        )
+    with ctx.storage.open_read(s.key) as f:
+        _advise_sequential(f)
+        return read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+
+
+def load(
+    ctx: CommitContext,
+    state: MutableMapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    allow_change: Sequence[str],
+    policy: Mapping[str, str] | None,
+    seed: int,
+    resume_step: int | None,
+    skipped: list[str],
+) -> Manifest | None:
+    """Restore the newest good, compatible checkpoint into ``state`` in place (see
+    :meth:`ckrun.Checkpointer.load`); unusable ones are appended to ``skipped``.
+
+    Returns:
+        Its manifest, or None when there is nothing to resume.
+
+    Raises:
+        IncompatibleCheckpoint: as :func:`gate`; nothing is restored.
+        CheckpointError: the checkpoint does not fit the state (wrong model).
+    """
+    want: dict[str, Any] | None = None
+    for m in scan(ctx.storage).manifests:
+        drift = gate(ctx, m, current, allow_change=allow_change, policy=policy)
+        tree, why = None, ""
+        try:
+            if m.tensor_layout is not None and want is None:
+                want = reshard.targets(state)  # where each global tensor goes
+            tree = read(ctx, m, want or {})
+        except (CorruptCheckpoint, ObjectNotFound) as e:
+            why = str(e)
+        ok, whys = ctx.group.all_ok(tree is not None, why)  # all ranks fall back together
+        if not ok or tree is None:
+            msg = f"checkpoint step {m.step} is unusable: {'; '.join(whys)}"
+            log.error("%s; falling back to an older checkpoint", msg)
+            skipped.append(msg)
+            continue
+        if m.world_size != ctx.world_size:
+            collective.restore_resharded(
+                state, tree, m, rank=ctx.rank, world_size=ctx.world_size, seed=seed
+            )
+        else:
+            restore(state, tree, where=f"checkpoint step {m.step}")
+        ctx.resumed_from, ctx.drift = m.step, drift
+        ctx.verified.add(m.key)
+        if resume_step is not None and resume_step != m.step:
+            log.warning("resumed step %d, the supervisor expected %d", m.step, resume_step)
+        return m
+    return None
+
+
+def latest(
+    ctx: CommitContext,
+    current: Mapping[str, Any],
+    *,
+    allow_change: Sequence[str],
+    policy: Mapping[str, str] | None,
+    only_current: bool,
+) -> Manifest | None:
+    """The newest committed, verified (re-hashed unless this process wrote or loaded
+    it), compatible manifest; None when there is none or the newest good one is
+    incompatible.  ``only_current``: compare only the fields ``current`` has."""
+    for m in scan(ctx.storage).manifests:
+        if m.key not in ctx.verified:
+            problems = verify_manifest(ctx.storage, m)
+            if problems:
+                log.warning("latest(): skipping step %d: %s", m.step, "; ".join(problems))
+                continue
+            ctx.verified.add(m.key)
+        allow = tuple(allow_change) + collective.allowed_changes(m, ctx.world_size)
+        cmp = compare(
+            current, m.compat, allow_change=allow, policy=policy, only_current=only_current
+        )
+        return None if cmp.refuse else m
+    return None
+
+
+def _advise_sequential(f: Any) -> None:
+    try:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except (AttributeError, OSError, ValueError):
+        pass

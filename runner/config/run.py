@@ -1,0 +1,271 @@
+"""The frozen :class:`RunConfig` of one run, its JSON form (``run.json``), and the keys
+of the options classes it holds: the backend's ``Options``
+(``ckrun.scheduler.<backend>.Options``), :class:`ckrun.cloud.CloudOptions` and
+:class:`ckrun.storage.s3_options.S3Options`.  Values are coerced to the field types by
+:func:`ckrun.options.coerce`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckrun.errors import ConfigError
+from ckrun.options import coerce, field_type
+
+#: Keys that are run identity or bookkeeping, not settable from a profile.
+_NOT_PROFILE = {"run", "command", "profile", "options", "sources", "cloud"}
+#: Environment variable names that differ from ``CKRUN_<KEY>``.
+_ENV_NAMES = {"storage": "CKRUN_STORAGE_BASE"}
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines one run, frozen in ``<run root>/run.json``.
+
+    Attributes:
+        run: run name; the run root is ``<storage>/<run>``.
+        command: the training command, argv form.
+        profile: profile name the values were resolved from.
+        scheduler: backend name (``local``, ``slurm``, ``k8s``).
+        storage: storage base: a local directory or ``s3://bucket/prefix``.
+        state_dir: local directory for run.json, events.jsonl, control/ and locks/;
+            empty means the run root (required when ``storage`` is remote).
+        notice_signal: the signal that means "notice" to supervisor and child.
+        grace_s: longest time from a notice to the child's exit, seconds.
+        margin_s: TERM is sent ``margin_s`` before the notice deadline, seconds.
+        kill_delay_s: time between TERM and KILL, seconds.
+        max_requeues: preemptions allowed before the run stops requeueing.
+        max_failures: failures of the user's command allowed (total).
+        crash_loop_failures: consecutive failures with no checkpoint progress that stop
+            the run (crash-loop guard).
+        backoff_s: first restart delay after a failure; doubles per failure, seconds.
+        backoff_max_s: cap of the restart delay, seconds.
+        world_size: processes in the job (part of the launch identity); set to
+            ``nproc_per_node * nnodes`` when that is above 1.
+        nproc_per_node: processes per node; above 1 (or ``nnodes`` above 1) the
+            supervisor runs the command under torchrun (:mod:`ckrun.supervisor.torchrun`).
+        nnodes: nodes of the job (one supervisor per node).
+        allow_change: compat fields allowed to differ on resume (``--allow-change``).
+        notice_sources: cloud notice pollers to run: any of ``aws``, ``gcp``, ``azure``.
+        options: the backend's frozen ``Options`` instance.
+        cloud: keys of ``ckrun.cloud.CloudOptions`` set in the profile/env/CLI
+            (``aws_poll_interval_s``, ...), handed to ``ckrun.cloud.build_sources``, and
+            of ``ckrun.storage.s3.S3Options`` (``endpoint_url``, ``s3_*``).
+        sources: key -> where its value came from (``cli``, ``env:CKRUN_X``,
+            ``profile:local``, ``default``).
+    """
+
+    run: str = ""
+    command: tuple[str, ...] = ()
+    profile: str = "local"
+    scheduler: str = "local"
+    storage: str = "./ckrun-runs"
+    state_dir: str = ""
+    notice_signal: str = "SIGUSR1"
+    grace_s: float = 60.0
+    margin_s: float = 2.0
+    kill_delay_s: float = 10.0
+    max_requeues: int = 100
+    max_failures: int = 3
+    crash_loop_failures: int = 2
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+    world_size: int = 1
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    allow_change: tuple[str, ...] = ()
+    notice_sources: tuple[str, ...] = ()
+    options: Any = None
+    cloud: Mapping[str, Any] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def run_root(self) -> str:
+        """Storage URL of this run: ``<storage>/<run>``."""
+        return self.storage.rstrip("/") + "/" + self.run
+
+    @property
+    def state_root(self) -> str:
+        """Local directory holding run.json, events.jsonl, control/ and locks/.
+
+        Raises:
+            ConfigError: when storage is remote and no ``state_dir`` is configured.
+        """
+        if self.state_dir:
+            return os.path.join(self.state_dir, self.run)
+        if not is_local_storage(self.storage):
+            raise ConfigError(
+                f"storage {self.storage!r} is remote: set state_dir (a local directory for "
+                "run.json, events and locks) in the profile or with CKRUN_STATE_DIR"
+            )
+        return os.path.join(self.storage.removeprefix("file://"), self.run)
+
+    def launch_identity(self) -> dict[str, Any]:
+        """What defines the experiment's launch: argv (argv[0] by basename).
+
+        The world size is deliberately not part of it: the checkpoint's own compat
+        block carries ``world_size`` and the child's gate lets it change exactly when
+        the checkpoint's format reshards (issue 8: a run preempted on 8 GPUs continues
+        on 4), and refuses it otherwise (exit 4).
+        """
+        argv = list(self.command)
+        if argv:
+            argv[0] = os.path.basename(argv[0])
+        return {"command": argv}
+
+    def launch_hash(self) -> str:
+        """SHA-256 (first 16 hex digits) of :meth:`launch_identity` as canonical JSON.
+
+        Passed to the child as ``CKRUN_CONFIG_HASH`` so manifests carry it, and compared
+        with the newest checkpoint's ``launch_hash`` in preflight.
+        """
+        body = json.dumps(self.launch_identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def signal_number(self) -> signal.Signals:
+        """:attr:`notice_signal` as a ``signal.Signals``."""
+        return parse_signal(self.notice_signal)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON body of ``run.json`` (options flattened under ``"options"``)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["command"] = list(self.command)
+        d["allow_change"] = list(self.allow_change)
+        d["notice_sources"] = list(self.notice_sources)
+        d["options"] = dataclasses.asdict(self.options) if self.options is not None else {}
+        d["sources"] = dict(self.sources)
+        d["cloud"] = dict(self.cloud)
+        d["launch_hash"] = self.launch_hash()
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RunConfig:
+        """Inverse of :meth:`to_json`. Raises ``ConfigError`` on unknown or bad fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        skip = ("options", "sources", "cloud")
+        body = {k: v for k, v in d.items() if k in names and k not in skip}
+        try:
+            cfg = cls(**{k: coerce(k, v, field_type(cls, k)) for k, v in body.items()})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"run.json is invalid: {e}; fix or delete it") from e
+        opts = build_options(cfg.scheduler, dict(d.get("options") or {}))
+        return dataclasses.replace(
+            cfg,
+            options=opts,
+            sources=dict(d.get("sources") or {}),
+            cloud=dict(d.get("cloud") or {}),
+        )
+
+
+def is_local_storage(url: str) -> bool:
+    """True for a local path or ``file://`` URL; False for ``s3://``, ``pvc:CLAIM``, ..."""
+    return url.startswith("file://") or not _SCHEME.match(url)
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """``"USR1"``, ``"SIGUSR1"`` or ``10`` -> ``signal.SIGUSR1``. Raises ``ConfigError``."""
+    try:
+        if isinstance(name, int) or str(name).isdigit():
+            return signal.Signals(int(name))
+        s = str(name).upper()
+        return signal.Signals[s if s.startswith("SIG") else "SIG" + s]
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"unknown signal {name!r}: use e.g. SIGUSR1, USR2 or SIGTERM") from e
+
+
+def common_keys() -> list[str]:
+    """Profile keys that go to :class:`RunConfig`."""
+    return [f.name for f in dataclasses.fields(RunConfig) if f.name not in _NOT_PROFILE]
+
+
+def backend_options_class(scheduler: str) -> type:
+    """The backend's ``Options`` dataclass.
+
+    Raises:
+        ConfigError: an unknown backend, or one that defines no ``Options`` dataclass.
+    """
+    from ckrun.scheduler.base import backend_module
+
+    opts = getattr(backend_module(scheduler), "Options", None)
+    if not isinstance(opts, type) or not dataclasses.is_dataclass(opts):
+        raise ConfigError(f"scheduler backend {scheduler!r} defines no Options dataclass")
+    return opts
+
+
+def build_options(scheduler: str, values: Mapping[str, Any]) -> Any:
+    """The backend's ``Options`` from ``values`` (coerced to the field types).
+
+    Raises:
+        ConfigError: an unknown key (naming the valid ones) or a bad value.
+    """
+    cls = backend_options_class(scheduler)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(unknown_keys_message(unknown, scheduler, sorted(names)))
+    return cls(**{k: coerce(k, v, field_type(cls, k)) for k, v in values.items()})
+
+
+def cloud_keys() -> list[str]:
+    """Profile keys of the cloud notice sources (:class:`ckrun.cloud.CloudOptions`)."""
+    from ckrun.cloud import CloudOptions
+
+    return [f.name for f in dataclasses.fields(CloudOptions)]
+
+
+def storage_keys() -> list[str]:
+    """Profile keys of the S3 backend (``ckrun.storage.s3.S3Options``: ``endpoint_url``,
+    ``s3_*``); they travel to the child as ``CKRUN_<KEY>`` (see :func:`storage_env`)."""
+    from ckrun.storage.s3 import S3Options
+
+    return [f.name for f in dataclasses.fields(S3Options)]
+
+
+def storage_env(cfg: RunConfig) -> dict[str, str]:
+    """``CKRUN_<KEY>`` variables for the S3 keys set in ``cfg`` (for the child process)."""
+    keys = set(storage_keys())
+    return {env_name(k): str(v) for k, v in cfg.cloud.items() if k in keys and v is not None}
+
+
+def cloud_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The cloud-notice and S3 keys of ``values``, coerced and validated.
+
+    Raises:
+        ConfigError: a bad value, naming its key.
+    """
+    if not values:
+        return {}
+    from ckrun.storage.s3 import S3Options
+
+    out: dict[str, Any] = {k: v for k, v in values.items() if k in storage_keys()}
+    S3Options.from_mapping(out)  # validates; raises ConfigError naming the key
+    rest = {k: v for k, v in values.items() if k not in out}
+    if rest:
+        from ckrun.cloud import CloudOptions
+
+        out.update({k: coerce(k, v, field_type(CloudOptions, k)) for k, v in rest.items()})
+    return out
+
+
+def unknown_keys_message(unknown: list[str], scheduler: str, backend_keys: list[str]) -> str:
+    """The error text for ``unknown`` keys: every valid key, by the class it sets."""
+    cloud = f", cloud notices [{', '.join(cloud_keys())}]"
+    cloud += f", S3 storage [{', '.join(storage_keys())}]"
+    return (
+        f"unknown config key(s) {', '.join(unknown)}; valid keys: common "
+        f"[{', '.join(common_keys())}], {scheduler} [{', '.join(backend_keys)}]{cloud}"
+    )
+
+
+def env_name(key: str) -> str:
+    """Environment variable that sets ``key`` (``CKRUN_<KEY>``)."""
+    return _ENV_NAMES.get(key, "CKRUN_" + key.upper())

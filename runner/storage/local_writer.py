@@ -1,0 +1,237 @@
+"""The durable local file write under every :class:`~ckrun.storage.local.LocalStorage`
+object: temp file in the destination directory, fsync, ``os.replace`` (or ``link(2)`` for
+a conditional create), directory fsync (see :mod:`ckrun.storage.local` for the contract).
+
+:class:`LocalWriter` is the buffered writer; the ``O_DIRECT`` writers of
+:mod:`ckrun.storage.direct` subclass it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import secrets
+import time
+from typing import Protocol
+
+from ckrun.errors import ObjectExists, StorageError, map_os_error
+from ckrun.storage.base import ObjectInfo, validate_key
+
+__all__ = [
+    "TEMP_PREFIX",
+    "WRITE_BEHIND_BYTES",
+    "DirectUnsupported",
+    "LocalRoot",
+    "LocalWriter",
+    "fsync_dir",
+    "make_dirs",
+    "object_path",
+]
+
+TEMP_PREFIX = ".ckrun-tmp-"
+WRITE_BEHIND_BYTES = 32 * 1024 * 1024
+_MAX_WRITE = 1 << 30  # Linux writes at most 0x7ffff000 bytes per call
+
+_SFR_WAIT_BEFORE = 1
+_SFR_WRITE = 2
+_SFR_WAIT_AFTER = 4
+
+
+def _load_sync_file_range() -> object | None:
+    """``sync_file_range`` from libc via ctypes (releases the GIL), or None."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def fsync_dir(path: str) -> None:
+    """fsync the directory ``path`` so its new entries survive a power cut."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DirectUnsupported(StorageError):
+    """The filesystem refused ``O_DIRECT`` (e.g. tmpfs); the caller falls back."""
+
+
+class LocalRoot(Protocol):
+    """What a :class:`LocalWriter` needs of its storage: the root directory and URL."""
+
+    @property
+    def root(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+
+def object_path(root: str, key: str) -> str:
+    """The file of ``key`` under ``root``.
+
+    Raises:
+        InvalidKey: ``key`` is not a valid storage key.
+    """
+    return os.path.join(root, *validate_key(key).split("/"))
+
+
+def make_dirs(root: str, d: str) -> None:
+    """Create ``d`` (under ``root``) and fsync each new entry's parent so it persists.
+
+    Raises:
+        StorageError: a directory cannot be created.
+    """
+    missing: list[str] = []
+    cur = d
+    while not os.path.isdir(cur) and cur != root:
+        missing.append(cur)
+        cur = os.path.dirname(cur)
+    for m in reversed(missing):
+        try:
+            os.mkdir(m)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise map_os_error(e, path=m) from e
+        fsync_dir(os.path.dirname(m))
+
+
+class LocalWriter:
+    """A streaming write to one key; see :class:`ckrun.storage.base.ObjectWriter`.
+
+    Attributes:
+        key: the destination key.
+        bytes_written: bytes written so far.
+    """
+
+    def __init__(
+        self, storage: LocalRoot, key: str, *, write_behind: bool = True, extra_flags: int = 0
+    ):
+        self.key = key
+        self._storage = storage
+        self._final = object_path(storage.root, key)
+        d = os.path.dirname(self._final)
+        make_dirs(storage.root, d)
+        name = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(key)}"
+        self._tmp = os.path.join(d, name)
+        try:
+            self._fd: int | None = os.open(
+                self._tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | extra_flags,
+                0o644,
+            )
+        except OSError as e:
+            if extra_flags and e.errno == errno.EINVAL:
+                raise DirectUnsupported(f"{d} does not support O_DIRECT") from e
+            raise map_os_error(e, path=self._final) from e
+        self.bytes_written = 0
+        self._behind = write_behind and _sync_file_range is not None
+        self._flushed = 0  # bytes handed to sync_file_range(WRITE)
+        self._waited = 0  # bytes known written back
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data`` (any size); returns ``len(data)`` in bytes.
+
+        Raises:
+            StorageFull: ENOSPC/EDQUOT, naming the key and the bytes of this write.
+            StorageError: any other I/O error.
+        """
+        if self._fd is None:
+            raise StorageError(f"write to {self.key} after commit/abort")
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        step = WRITE_BEHIND_BYTES if self._behind else _MAX_WRITE
+        done = 0
+        try:
+            while done < n:
+                k = os.write(self._fd, mv[done : done + step])
+                done += k
+                self.bytes_written += k
+                if self._behind and self.bytes_written - self._flushed >= WRITE_BEHIND_BYTES:
+                    self._write_behind()
+        except OSError as e:
+            raise map_os_error(e, path=self._final, nbytes=n) from e
+        return n
+
+    def _write_behind(self) -> None:
+        """Start write-back of the new window; wait for the one before the previous."""
+        assert self._fd is not None and _sync_file_range is not None
+        fn = _sync_file_range
+        start, end = self._flushed, self.bytes_written
+        fn(self._fd, start, end - start, _SFR_WRITE)  # type: ignore[operator]
+        if start - self._waited >= WRITE_BEHIND_BYTES:
+            w0, w1 = self._waited, start
+            flags = _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER
+            fn(self._fd, w0, w1 - w0, flags)  # type: ignore[operator]
+            # the pages are clean now: drop them so a big save does not evict the cache
+            os.posix_fadvise(self._fd, w0, w1 - w0, os.POSIX_FADV_DONTNEED)
+            self._waited = w1
+        self._flushed = end
+
+    def commit(self, *, if_absent: bool = False) -> ObjectInfo:
+        """fsync, rename over the final key, fsync the directory; returns its info.
+
+        Args:
+            if_absent: create only: ``link(2)`` instead of the rename, so an existing
+                key is never replaced.
+
+        Raises:
+            ObjectExists: ``if_absent`` and the key exists (nothing is written).
+            StorageFull, StorageError: the write could not be made durable; the temp
+                file is removed and nothing appears under the key.
+        """
+        if self._fd is None:
+            raise StorageError(f"commit of {self.key} after commit/abort")
+        try:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            if if_absent:
+                try:
+                    os.link(self._tmp, self._final)
+                except FileExistsError as e:
+                    raise ObjectExists(
+                        f"{self.key} already exists in {self._storage.url}: a conditional "
+                        "create lost the race"
+                    ) from e
+                finally:
+                    self.abort()  # the temp name goes; the linked file stays
+            else:
+                os.replace(self._tmp, self._final)
+            fsync_dir(os.path.dirname(self._final))
+        except OSError as e:
+            self.abort()
+            raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
+        return ObjectInfo(self.key, self.bytes_written, time.time())
+
+    def abort(self) -> None:
+        """Close and remove the temp file; idempotent."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        try:
+            os.unlink(self._tmp)
+        except OSError:
+            pass
+
+    def __enter__(self) -> LocalWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.abort()
+        elif self._fd is not None:
+            self.commit()
