@@ -68,8 +68,8 @@ def open_storage_from_env(
 
 def checkpointer_arguments(
     compat: Mapping[str, Any] | None, kw: dict[str, Any]
-) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """``(storage URL, compat block, keyword arguments)`` of
+) -> tuple[str | Storage, dict[str, Any], dict[str, Any]]:
+    """``(storage URL or Storage object, compat block, keyword arguments)`` of
     :meth:`ckrun.Checkpointer.from_env`: ``CKRUN_STORAGE`` (else ``storage=``), the compat
     block with ``launch_hash`` from ``CKRUN_CONFIG_HASH``, ``allow_change`` extended by
     ``CKRUN_ALLOW_CHANGE``, ``resume_step`` from ``CKRUN_RESUME_STEP`` and ``run`` from
@@ -98,7 +98,7 @@ def checkpointer_arguments(
     if os.environ.get("CKRUN_RESUME_STEP"):
         kw.setdefault("resume_step", env_int("CKRUN_RESUME_STEP", -1))
     kw.setdefault("run", os.environ.get("CKRUN_RUN") or None)
-    return str(url), block, kw
+    return url, block, kw  # a Storage object passed as storage= stays one
 
 
 def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
