@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = ("steps", "log_every", "storage", "fsdp")  # FSDP2 or not: the same experiment
     hparams = {k: v for k, v in vars(args).items() if k not in skip}
     ckpt = ckrun.Checkpointer.from_env(
-        storage=args.storage,
+        default_storage=args.storage,  # only outside the supervisor (CKRUN_STORAGE wins)
         compat={
             "config": hparams,
             "model_version": "charlm-v1",

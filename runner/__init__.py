@@ -7,6 +7,7 @@ The public API (users' training scripts rely on these names)::
     ckpt = ckrun.Checkpointer.from_env(compat={...})      # under the supervisor
     manifest = ckpt.load(state)                            # None when nothing to resume
     ckpt.save(step, state); ckpt.finalize(step, state)
+    ckrun.load_weights("runs/demo", model)                 # read-only, for evaluation
     handle = ckpt.async_save(step, state)   # returns after the host snapshot; ckpt.wait()
     ckpt = ckrun.Checkpointer(..., checkpoint_every="auto"); ckpt.should_save(step)
     if ckrun.preemption_requested(sync=True): ...   # sync: all ranks agree (MAX)
@@ -40,7 +41,9 @@ _LAZY = {
     "Checkpointer": ("ckrun.checkpoint.checkpointer", "Checkpointer"),
     "Manifest": ("ckrun.checkpoint.manifest", "Manifest"),
     "ResumableSampler": ("ckrun.checkpoint.sampler", "ResumableSampler"),
+    "ResumableDataLoader": ("ckrun.checkpoint.sampler", "ResumableDataLoader"),
     "SaveHandle": ("ckrun.checkpoint.pipeline", "SaveHandle"),
+    "load_weights": ("ckrun.checkpoint.weights", "load_weights"),
     # the run's storage as the environment configures it (CKRUN_LOCAL_TIER: two tiers)
     "open_storage": ("ckrun.checkpoint.env", "open_storage_from_env"),
 }
@@ -54,6 +57,7 @@ __all__ = [
     "IncompatibleCheckpoint",
     "Manifest",
     "Notice",
+    "ResumableDataLoader",
     "ResumableSampler",
     "RunComplete",
     "RunLocked",
@@ -61,6 +65,7 @@ __all__ = [
     "StorageError",
     "StorageFull",
     "install_signal_handlers",
+    "load_weights",
     "open_storage",
     "preemption_requested",
 ]

@@ -9,7 +9,18 @@ notice signal (``CKRUN_NOTICE_SIGNAL``, default SIGUSR1) only set a flag, so the
 at the next step boundary instead of inside a signal handler;
 :func:`preemption_requested` returns True once a notice has arrived by signal or by
 ``notice.json``.  With ``sync=True`` the flag is all-reduced (MAX) over the default
-``torch.distributed`` process group so every rank stops at the same step.
+``torch.distributed`` process group so every rank stops at the same step; a rank that
+learns of the notice only through that all-reduce (it reached another node: one pod of a
+multi-node Kubernetes run is drained) leaves ``peer-notice.json`` in its own control
+directory, so that its node's supervisor drains too (:func:`take_peer_notice`) and
+judges the attempt by the commit instead of counting torchrun's exit as a failure.
+
+Training start (:func:`mark_training`): the first of ``Checkpointer.load`` returning and
+the first :func:`preemption_requested` check writes ``<control_dir>/training.json``
+(``utc``, ``pid``) once per process, so the supervisor can count time from the child's
+first training step rather than from its spawn (``--chaos-preempt-every``), and appends
+``train_start`` to the run's event log when no ``load`` came first (see
+:mod:`ckrun.runlog`).
 
 A SIGTERM that arrives after :func:`write_escalation` (the supervisor's "time is up")
 is not swallowed: the default action is restored and the signal re-raised.
@@ -24,17 +35,22 @@ import os
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 from ckrun.notices import Notice
 from ckrun.storage.fsutil import write_json_atomic
 
 NOTICE_FILE = "notice.json"
 ESCALATE_FILE = "escalate"
+TRAINING_FILE = "training.json"
+PEER_NOTICE_FILE = "peer-notice.json"
 
 _flag = threading.Event()
 _received: list[int] = []
 _installed: set[int] = set()
 _checks = [0]  # calls of preemption_requested() in this process
+_marked: list[str] = []  # how this process's training start was marked (at most one)
+_peer_told = threading.Event()  # this process left its peer notice
 
 
 def control_dir() -> str | None:
@@ -64,8 +80,9 @@ def write_escalation(cdir: str) -> None:
 
 
 def clear(cdir: str) -> None:
-    """Supervisor: remove the notice and escalation files before a new attempt."""
-    for name in (NOTICE_FILE, ESCALATE_FILE):
+    """Supervisor: remove the notice, escalation, peer-notice and training-start files
+    before a new attempt."""
+    for name in (NOTICE_FILE, ESCALATE_FILE, PEER_NOTICE_FILE, TRAINING_FILE):
         try:
             os.unlink(os.path.join(cdir, name))
         except FileNotFoundError:
@@ -82,6 +99,78 @@ def read_notice(cdir: str | None = None) -> Notice | None:
             return Notice.from_json(json.load(f))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def mark_training(how: str) -> None:
+    """Child: record that training starts now (once per process; see the module doc).
+
+    Args:
+        how: ``restore`` (``Checkpointer.load`` returned; it logs its own ``restore``
+            event) or ``step`` (the first step boundary, logged as ``train_start``).
+    """
+    if _marked:
+        return
+    _marked.append(how)
+    cdir = control_dir()
+    if not cdir:
+        return
+    from ckrun.notices import iso_utc, utcnow
+    from ckrun.runlog import child_event
+
+    utc = iso_utc(utcnow())
+    try:
+        write_json_atomic(
+            os.path.join(cdir, TRAINING_FILE), {"utc": utc, "pid": os.getpid()}, durable=False
+        )
+    except OSError:
+        pass
+    if how == "step":
+        child_event("train_start")
+
+
+def training_started(cdir: str) -> float | None:
+    """Supervisor: epoch seconds at which the current child started training, or None
+    while it has not (or does not report it: it uses neither ``load`` nor
+    :func:`preemption_requested`)."""
+    try:
+        with open(os.path.join(cdir, TRAINING_FILE)) as f:
+            body = json.load(f)
+        from ckrun.notices import parse_utc
+
+        return float(parse_utc(str(body["utc"])).timestamp())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_peer_notice(cdir: str | None = None) -> None:
+    """Child: the ranks agreed to stop for a notice that reached another node.
+
+    Written once per process (every local rank may write it; the content is the same
+    but for the pid), before the collective save, so the supervisor reads it before the
+    child exits.
+    """
+    cdir = cdir or control_dir()
+    if cdir and not _peer_told.is_set():
+        _peer_told.set()
+        write_json_atomic(
+            os.path.join(cdir, PEER_NOTICE_FILE),
+            {"pid": os.getpid(), "rank": os.environ.get("RANK"), "reason": "agreed step"},
+            durable=False,
+        )
+
+
+def take_peer_notice(cdir: str) -> dict[str, Any] | None:
+    """Supervisor: consume ``peer-notice.json``; None when there is none."""
+    path = os.path.join(cdir, PEER_NOTICE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = json.load(f)
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        body = {}
+    return body if isinstance(body, dict) else {}
 
 
 def _shield_from_dataloader_workers() -> None:
@@ -162,6 +251,8 @@ def _drill_due() -> bool:
 
 def _local_flag() -> bool:
     _checks[0] += 1
+    if not _marked:
+        mark_training("step")
     if _flag.is_set():
         return True
     if _drill_due():
@@ -204,6 +295,8 @@ def preemption_requested(sync: bool = False) -> bool:
     agreed = bool(int(t.item()))
     if agreed:
         _flag.set()
+        if not local:
+            write_peer_notice()
     return agreed
 
 
@@ -215,5 +308,7 @@ def received_signals() -> list[int]:
 def reset_for_tests() -> None:
     """Clear the flag (tests only)."""
     _flag.clear()
+    _peer_told.clear()
     _received.clear()
     _checks[0] = 0
+    _marked.clear()

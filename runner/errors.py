@@ -78,6 +78,16 @@ class ObjectExists(StorageError):
     """A conditional create (``if_absent=True``) found the key already present."""
 
 
+class CorruptObject(StorageError):
+    """The bytes read do not match the object's stored checksum or length (S3 CRC32C,
+    a body shorter than the object after every resumed read): the stored object is bad,
+    not the connection.  The checkpoint layer maps it to ``CorruptCheckpoint``."""
+
+    def __init__(self, message: str, *, key: str = ""):
+        super().__init__(message)
+        self.key = key
+
+
 class InvalidKey(StorageError):
     """A key is absolute, contains ``..`` or other components that escape the root."""
 

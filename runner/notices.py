@@ -15,14 +15,26 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-#: Notice kinds.
-PREEMPTION = "preemption"  # capacity is being taken away (spot, Slurm preemption, drain)
-TIME_LIMIT = "time_limit"  # the allocation's time limit approaches
-TERMINATION = "termination"  # a plain SIGTERM from whoever owns the process
-DRILL = "drill"  # `ckrun preempt`: a test of the resume path
-REBALANCE = "rebalance"  # early warning (AWS rebalance recommendation)
+from ckrun.enums import StrEnum
 
-KINDS = (PREEMPTION, TIME_LIMIT, TERMINATION, DRILL, REBALANCE)
+
+class NoticeKind(StrEnum):
+    """What a notice announces."""
+
+    PREEMPTION = "preemption"  # capacity is being taken away (spot, Slurm preemption, drain)
+    TIME_LIMIT = "time_limit"  # the allocation's time limit approaches
+    TERMINATION = "termination"  # a plain SIGTERM from whoever owns the process
+    DRILL = "drill"  # `ckrun preempt`: a test of the resume path
+    REBALANCE = "rebalance"  # early warning (AWS rebalance recommendation)
+
+
+PREEMPTION = NoticeKind.PREEMPTION
+TIME_LIMIT = NoticeKind.TIME_LIMIT
+TERMINATION = NoticeKind.TERMINATION
+DRILL = NoticeKind.DRILL
+REBALANCE = NoticeKind.REBALANCE
+
+KINDS = tuple(NoticeKind)
 
 
 def utcnow() -> dt.datetime:
@@ -46,7 +58,7 @@ class Notice:
     """One interruption notice.
 
     Attributes:
-        kind: one of :data:`KINDS`.
+        kind: a :class:`NoticeKind`.
         source: where it came from, e.g. ``"signal:SIGTERM"``, ``"aws"``, ``"gcp"``,
             ``"azure"``, ``"slurm:time_limit"``, ``"cli"``.
         detected_at: UTC time the notice was seen.
@@ -54,7 +66,7 @@ class Notice:
         detail: source-specific fields (the raw document, signal number, ...).
     """
 
-    kind: str
+    kind: NoticeKind
     source: str
     detected_at: dt.datetime
     deadline_utc: dt.datetime
@@ -76,9 +88,10 @@ class Notice:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Notice:
-        """Inverse of :meth:`to_json`; raises ``KeyError``/``ValueError`` on bad input."""
+        """Inverse of :meth:`to_json`; raises ``KeyError``/``ValueError`` on bad input
+        (an unknown kind is a ``ValueError``)."""
         return cls(
-            kind=str(d["kind"]),
+            kind=NoticeKind(d["kind"]),
             source=str(d["source"]),
             detected_at=parse_utc(d["detected_at"]),
             deadline_utc=parse_utc(d["deadline_utc"]),
@@ -89,9 +102,16 @@ class Notice:
     def with_lead(
         cls, kind: str, source: str, lead_s: float, detail: dict[str, Any] | None = None
     ) -> Notice:
-        """A notice detected now whose deadline is ``lead_s`` seconds away."""
+        """A notice of ``kind`` (a :class:`NoticeKind` or its value) detected now whose
+        deadline is ``lead_s`` seconds away.
+
+        Raises:
+            ValueError: an unknown kind.
+        """
         now = utcnow()
-        return cls(kind, source, now, now + dt.timedelta(seconds=lead_s), dict(detail or {}))
+        return cls(
+            NoticeKind(kind), source, now, now + dt.timedelta(seconds=lead_s), dict(detail or {})
+        )
 
 
 @runtime_checkable

@@ -25,7 +25,17 @@ from typing import Any
 
 from ckrun.errors import ConfigError
 
-__all__ = ["coerce", "coerce_fields", "field_type", "parse_duration"]
+__all__ = ["coerce", "coerce_fields", "did_you_mean", "field_type", "parse_duration"]
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices`` (:mod:`difflib`, ratio
+    at least 0.6), or ``""`` when none is close: the suffix of an "unknown ..." error."""
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
 _UNIT_S = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}
@@ -49,9 +59,16 @@ def parse_duration(value: Any) -> float:
         raise ConfigError(f"invalid duration {value!r}: use seconds, e.g. 90 or 90s")
     if isinstance(value, (int, float)):
         if value < 0:
-            raise ConfigError(f"invalid duration {value!r}: must be >= 0")
+            raise ConfigError(
+                f"invalid duration {value!r}: durations cannot be negative (use >= 0)"
+            )
         return float(value)
     m = _DURATION.match(str(value))
+    if not m and _DURATION.match(str(value).strip().removeprefix("-")):
+        raise ConfigError(
+            f"invalid duration {value!r}: durations cannot be negative; use 0 or more "
+            "seconds, e.g. 90, 90s, 2m or 1h"
+        )
     if not m:
         raise ConfigError(f"invalid duration {value!r}: use seconds, e.g. 90, 90s, 2m or 1h")
     return float(m.group(1)) * _UNIT_S[m.group(2)]

@@ -7,6 +7,19 @@ Kinds written by the supervisor: ``attempt_start``, ``child_exit``, ``notice``,
 ``completed``, ``already_complete``, ``incompatible``, ``failed``, ``cancelled``,
 ``submitted``, ``supervisor_start``, ``supervisor_exit``.
 
+Kinds written by the training process itself (:func:`child_event`, global rank 0 only,
+through the library; they let ``ckrun status`` split an attempt into start-up, restore,
+training and saving):
+
+* ``restore``: ``Checkpointer.load`` returned; ``step`` restored (absent: nothing to
+  resume), ``seconds`` it took.  Its ``utc`` is the start of training.
+* ``train_start``: the first step boundary (:func:`ckrun.preemption_requested`) of a
+  process that never called ``load``; its ``utc`` is the start of training.
+* ``save``: a checkpoint of ``step`` left the training loop's way: ``seconds`` is the
+  stall (the time the loop was blocked: the whole save, or an ``async_save``'s snapshot),
+  ``mode`` ``sync``/``async``, ``ckpt_kind`` recovery/milestone/final.  Its ``utc`` is the
+  end of the stall; the state saved is the one at ``utc - seconds``.
+
 Appends are one ``write(2)`` of a whole line on an ``O_APPEND`` descriptor, so
 concurrent writers never interleave within a line; :func:`read_events` skips a torn
 last line.  Lines survive a crash of the process at once (page cache); the outcome
@@ -19,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ckrun.notices import iso_utc, utcnow
@@ -89,6 +103,46 @@ class EventLog:
         finally:
             os.close(fd)
         return body
+
+
+def child_events_path(env: Mapping[str, str] | None = None) -> str | None:
+    """The run's ``events.jsonl`` as seen from the training process: the state root is
+    the parent of ``CKRUN_CONTROL_DIR`` (``<state root>/control[/rankN]``, see
+    :class:`ckrun.supervisor.rundir.RunDir`); None outside the supervisor."""
+    env = os.environ if env is None else env
+    cdir = env.get("CKRUN_CONTROL_DIR")
+    if not cdir:
+        return None
+    cdir = os.path.normpath(cdir)
+    if os.path.basename(cdir).startswith("rank"):
+        cdir = os.path.dirname(cdir)
+    return os.path.join(os.path.dirname(cdir), "events.jsonl")
+
+
+def child_event(
+    kind: str, *, step: int | None = None, seconds: float | None = None, **fields: Any
+) -> dict[str, Any] | None:
+    """Append one event of the training process (see the module docstring) to the run's
+    log, stamped with ``CKRUN_RUN`` and ``CKRUN_ATTEMPT``.
+
+    Only the global rank 0 process (``RANK`` unset or 0) under the supervisor writes; a
+    log that cannot be written is ignored (the report loses a detail, training goes on).
+
+    Returns:
+        The event written, or None when nothing was written.
+    """
+    path = child_events_path()
+    if path is None or os.environ.get("RANK", "0") not in ("", "0"):
+        return None
+    try:
+        attempt = int(os.environ.get("CKRUN_ATTEMPT", "0"))
+    except ValueError:
+        attempt = 0
+    try:
+        log = EventLog(path, os.environ.get("CKRUN_RUN", ""), attempt)
+        return log.append(kind, step=step, seconds=seconds, pid=os.getpid(), **fields)
+    except OSError:
+        return None
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

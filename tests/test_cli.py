@@ -57,6 +57,7 @@ def test_submit_py_script_uses_this_python_and_dry_run_writes_nothing(tmp_path: 
         [
             "submit",
             "--dry-run",
+            "--show-config",
             "--run",
             "d",
             "--storage",
@@ -157,14 +158,29 @@ def test_detach_returns_at_once_and_the_run_completes(tmp_path: Path) -> None:
 def test_submit_options_after_the_script_and_script_args_after_dashdash(tmp_path: Path) -> None:
     # The README's form: ckrun's options anywhere before `--`, the script's after it.
     r = cli(
-        ["submit", "train.py", "--run", "r1", "--dry-run", "--", "--storage", "s", "--steps", "5"],
+        [
+            "submit",
+            "train.py",
+            "--run",
+            "r1",
+            "--dry-run",
+            "--show-config",
+            "--",
+            "--storage",
+            "s",
+            "--steps",
+            "5",
+        ],
         tmp_path,
     )
     assert r.returncode == 0, r.stderr
     body = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
     assert body["run"] == "r1" and body["storage"] == str(tmp_path / "ckrun-runs")
     assert body["command"] == [PY, "train.py", "--storage", "s", "--steps", "5"]
-    r = cli(["submit", "--dry-run", "--run", "r2", "train.py", "--lr=3", "-n", "2"], tmp_path)
+    r = cli(
+        ["submit", "--dry-run", "--show-config", "--run", "r2", "train.py", "--lr=3", "-n", "2"],
+        tmp_path,
+    )
     assert json.loads(r.stdout[: r.stdout.rindex("}") + 1])["command"] == [
         PY,
         "train.py",

@@ -36,13 +36,14 @@ PACKAGE = "ckrun"
 
 # (layer name, first-level names under ckrun that belong to it), lowest first.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("errors/notices", ("errors", "notices", "version", "options")),
+    ("errors/notices", ("errors", "notices", "version", "options", "enums")),
     ("storage", ("storage",)),  # fsutil lives here: control writes its files with it
     ("control/runlog", ("control", "runlog")),
     ("checkpoint", ("checkpoint",)),
     ("cloud/scheduler", ("cloud", "scheduler")),
     ("config", ("config",)),
     ("supervisor", ("supervisor",)),
+    ("report", ("report",)),  # read-only accounting of a run: status, runs, the page
     ("cli", ("cli", "__main__")),
     # The package __init__ is the public surface: it re-exports from every layer.
     ("public surface", ("",)),

@@ -48,11 +48,12 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ckrun.checkpoint import pipeline
 from ckrun.checkpoint.host_buffers import HostBuffers
-from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
 from ckrun.checkpoint.sharding import Planned
 from ckrun.errors import CheckpointError
@@ -245,7 +246,7 @@ class AsyncSaver:
         from ckrun.control import read_notice
 
         h = self._inflight
-        notice = read_notice() if h is not None and kind != "final" else None
+        notice = read_notice() if h is not None and kind != ManifestKind.FINAL else None
         if notice is None:
             self.drain()
             return None
@@ -328,10 +329,30 @@ def _at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
 
 
 def _drain_at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
-    """atexit: finish the in-flight save; an error can no longer be raised: print it."""
+    """atexit: finish the in-flight save; an error can no longer be raised: print it.
+
+    With a notice pending the wait is bounded by its deadline: past it the save is
+    abandoned (logged), and the supervisor's KILL may end the process while it runs (the
+    previous checkpoint stays the newest).
+    """
     saver = ref()
     if saver is None:
         return
+    from ckrun.control import read_notice
+
+    h = saver.inflight()
+    notice = read_notice() if h is not None else None
+    if h is not None and notice is not None:
+        left = max(0.0, notice.seconds_left())
+        try:
+            h._future.exception(timeout=left)
+        except FutureTimeout:
+            log.error(
+                "ckrun: the background save of step %d did not finish before the notice "
+                "deadline; exiting without it (the previous checkpoint stands)",
+                h.step,
+            )
+            return
     try:
         saver.close()
     except BaseException as e:

@@ -10,7 +10,14 @@ DESIGN.md §3.
 
 Environment read by :meth:`Checkpointer.from_env`: ``CKRUN_STORAGE``, ``CKRUN_RUN``,
 ``CKRUN_ATTEMPT``, ``CKRUN_CONFIG_HASH`` (compat field ``launch_hash``),
-``CKRUN_ALLOW_CHANGE`` (comma-separated), ``CKRUN_RESUME_STEP`` (a hint).
+``CKRUN_ALLOW_CHANGE`` (comma-separated), ``CKRUN_RESUME_STEP`` (a hint).  Explicit
+beats ambient and a conflict is refused: an argument that differs from its set
+``CKRUN_*`` variable raises ``ConfigError`` naming both (issue 13).
+
+The manifest records the state's model signature and optimizer parameter names
+(:mod:`ckrun.checkpoint.signature`): a load gates on it and re-keys optimizer state by
+parameter name.  ``finalize`` is idempotent and completes a run whose final artifact was
+committed without its marker.
 """
 
 from __future__ import annotations
@@ -25,15 +32,18 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 import torch
 from ckrun.checkpoint import collective as distributed
 from ckrun.checkpoint import layout, pipeline, resume
+from ckrun.checkpoint import signature as sig
 from ckrun.checkpoint.compat import git_state, normalize
+from ckrun.checkpoint.discovery import committed_final, completion
 from ckrun.checkpoint.env import (
     checkpointer_arguments,
     env_int,
     install_excepthook,
     open_storage_from_env,
+    refuse_conflict,
 )
 from ckrun.checkpoint.lock import WriterLock
-from ckrun.checkpoint.manifest import Manifest, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle
 from ckrun.checkpoint.sharding import Planned
@@ -85,7 +95,9 @@ class Checkpointer:
             :mod:`ckrun.checkpoint.interval`).
         mtbi_s: mean time between interruptions for ``"auto"``, seconds (default
             ``CKRUN_MTBI_S``, else the run's history).
-        lock: take ``locks/writer.lock`` on first load/save (rank 0 only).
+        lock: take ``locks/writer.lock`` on first load/save (rank 0 only); a second
+            Checkpointer of this process on the same run is then refused (``RunLocked``
+            naming where the first was created), on every storage.
         seed: base seed of the RNG reseed when resuming on another world size.
 
     Rank and world size come from ``torch.distributed`` (or ``RANK``/``WORLD_SIZE``);
@@ -99,7 +111,9 @@ class Checkpointer:
         skipped: why each checkpoint :meth:`load` passed over was unusable.
 
     Raises:
-        ConfigError: invalid ``keep_last``/``milestone_every`` or storage URL.
+        ConfigError: invalid ``keep_last``/``milestone_every`` or storage URL, or
+            ``run``/``attempt`` given and different from a set ``CKRUN_RUN``/
+            ``CKRUN_ATTEMPT``.
     """
 
     def __init__(
@@ -126,6 +140,8 @@ class Checkpointer:
                 f"(got {keep_last}, {milestone_every})"
             )
         st: Storage = open_storage_from_env(storage) if isinstance(storage, str) else storage
+        refuse_conflict("run", run, "CKRUN_RUN")
+        refuse_conflict("attempt", attempt, "CKRUN_ATTEMPT")
         run = run or os.environ.get("CKRUN_RUN") or _basename(st.url)
         attempt = attempt if attempt is not None else env_int("CKRUN_ATTEMPT", 0)
         rank, world_size = distributed.dist_info()
@@ -139,7 +155,11 @@ class Checkpointer:
             keep_last=keep_last,
             milestone_every=milestone_every,
             rng=rng,
-            lock=WriterLock(st, run=run, attempt=attempt) if lock and rank == 0 else None,
+            lock=(
+                WriterLock(st, run=run, attempt=attempt, owner=_created_at())
+                if lock and rank == 0
+                else None
+            ),
         )
         self.allow_change = tuple(allow_change)
         self.policy = policy
@@ -172,19 +192,35 @@ class Checkpointer:
         return self._ctx
 
     @classmethod
-    def from_env(cls, compat: Mapping[str, Any] | None = None, **kw: Any) -> Checkpointer:
+    def from_env(
+        cls,
+        compat: Mapping[str, Any] | None = None,
+        *,
+        default_storage: str | Storage | None = None,
+        **kw: Any,
+    ) -> Checkpointer:
         """A Checkpointer configured by the supervisor's ``CKRUN_*`` environment.
 
         Also installs the notice signal handlers and an excepthook that makes an
         uncaught :class:`ckrun.errors.CkrunError` exit with its ``exit_code``.
 
+        Explicit beats ambient, and a conflict is refused: an argument (``storage=``,
+        ``run=``, ``attempt=``, ``resume_step=``) that differs from the ``CKRUN_*``
+        variable set for it raises :class:`ConfigError` naming both values; an argument
+        equal to it, or given where the variable is unset, is used.  For a fallback used
+        only outside the supervisor pass ``default_storage=`` (the supervisor's
+        ``CKRUN_STORAGE`` then wins without a conflict).  ``allow_change=`` adds to
+        ``CKRUN_ALLOW_CHANGE``.  Other keyword arguments go to :class:`Checkpointer`
+        (see :func:`ckrun.checkpoint.env.checkpointer_arguments`).
+
         Raises:
-            ConfigError: neither ``CKRUN_STORAGE`` nor ``storage=`` names the storage,
+            ConfigError: neither ``CKRUN_STORAGE``, ``storage=`` nor ``default_storage=``
+                names the storage, an argument conflicts with its ``CKRUN_*`` variable,
                 or a ``CKRUN_*`` integer is malformed.
         """
         from ckrun.control import install_signal_handlers
 
-        url, block, kw = checkpointer_arguments(compat, kw)
+        url, block, kw = checkpointer_arguments(compat, kw, default_storage)
         ckpt = cls(url, block, **kw)
         install_signal_handlers()
         install_excepthook()
@@ -196,6 +232,7 @@ class Checkpointer:
         """The compat block of this run: automatic fields overridden by the user's."""
         if state is not None:
             self._state_compat = state_compat(state)
+            self._ctx.signature = sig.of_state(state)
         block: dict[str, Any] = {
             "world_size": self.world_size,
             "torch_version": torch.__version__,
@@ -232,6 +269,7 @@ class Checkpointer:
             CheckpointError: the checkpoint does not fit the state (wrong model).
         """
         pipeline.acquire(self._ctx)
+        t0 = time.monotonic()
         m = resume.load(
             self._ctx,
             state,
@@ -247,6 +285,7 @@ class Checkpointer:
 
             load_dcp(state, from_dcp)
             log.info("no checkpoint in %s: state seeded from DCP %s", self.storage.url, from_dcp)
+        _report_training_start(m, time.monotonic() - t0, self.rank)
         return m
 
     def latest(self) -> Manifest | None:
@@ -284,17 +323,41 @@ class Checkpointer:
             StorageError: other storage failures (read-only, I/O).
             CheckpointError: a value in ``state`` cannot be checkpointed.
         """
-        return self._save(step, state, pipeline.kind_for(self._ctx, step), metrics)
+        t0 = time.monotonic()
+        m = self._save(step, state, pipeline.kind_for(self._ctx, step), metrics)
+        _report_save(m, time.monotonic() - t0, "sync", self.rank)
+        return m
 
     def finalize(
         self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
     ) -> Manifest:
-        """Write the final artifact (``final/``) and then ``COMPLETE.json``.
+        """Write the final artifact (``final/``) and then ``COMPLETE.json``; idempotent.
+
+        Finalizing a step again returns its final manifest: when the marker already names
+        ``step``, nothing is written; when the final artifact of ``step`` is committed
+        but the marker is missing (the process ended between the two), the marker is
+        written from that artifact and the state is not saved again.  So a run resumed
+        from its own final artifact completes instead of colliding with it
+        (``StepAlreadyCommitted``).
 
         Raises:
-            RunComplete: already finalized.  Storage errors as :meth:`save`.
+            RunComplete: finalized at another step.  Storage errors as :meth:`save`.
         """
-        m = self._save(step, state, "final", metrics)
+        marker, _ = completion(self.storage)
+        if marker is not None and marker.final_step == step:
+            self._ctx.complete = True
+            return Manifest.loads(self.storage.get(marker.manifest_key), key=marker.manifest_key)
+        existing = committed_final(self.storage, step) if marker is None else None
+        reuse, _ = self.group.all_ok(existing is not None)  # every rank decides alike
+        if reuse and existing is not None:
+            if self._async is not None:
+                self._async.drain()
+            log.info("final artifact of step %d is already committed: writing its marker", step)
+            m = existing
+        else:
+            t0 = time.monotonic()
+            m = self._save(step, state, ManifestKind.FINAL, metrics)
+            _report_save(m, time.monotonic() - t0, "sync", self.rank)
         if self.rank == 0:
             self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
         self._ctx.complete = True
@@ -378,7 +441,13 @@ class Checkpointer:
             return SaveHandle.completed(self.save(step, state, metrics=metrics))
         if self._async is None:
             self._async = aio.AsyncSaver(self._ctx, self.compat_block)
-        return self._async.save(step, state, metrics)
+        t0 = time.monotonic()
+        h = self._async.save(step, state, metrics)
+        if self.rank == 0:
+            from ckrun.runlog import child_event
+
+            child_event("save", step=step, seconds=time.monotonic() - t0, mode="async")
+        return h
 
     def wait(self) -> Manifest | None:
         """Wait for the in-flight ``async_save``; its manifest, or None when none.
@@ -432,6 +501,36 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _report_training_start(m: Manifest | None, seconds: float, rank: int) -> None:
+    """Tell the run's log and the supervisor that training starts (``restore`` event,
+    :func:`ckrun.control.mark_training`); a no-op outside the supervisor."""
+    from ckrun.control import mark_training
+    from ckrun.runlog import child_event
+
+    if rank == 0:
+        child_event("restore", step=m.step if m is not None else None, seconds=seconds)
+    mark_training("restore")
+
+
+def _report_save(m: Manifest, seconds: float, mode: str, rank: int) -> None:
+    """The ``save`` event: the training loop was blocked ``seconds`` for step ``m.step``."""
+    if rank == 0:
+        from ckrun.runlog import child_event
+
+        child_event("save", step=m.step, seconds=seconds, mode=mode, ckpt_kind=m.kind)
+
+
+def _created_at() -> str:
+    """``the Checkpointer created at FILE:LINE`` of the user's frame that built it."""
+    import traceback
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for fr in reversed(traceback.extract_stack()[:-1]):
+        if not os.path.abspath(fr.filename).startswith(here):
+            return f"the Checkpointer created at {fr.filename}:{fr.lineno}"
+    return "another Checkpointer"
 
 
 def _basename(url: str) -> str:

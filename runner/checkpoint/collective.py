@@ -1,4 +1,4 @@
-"""Collective checkpoints of a ``torch.distributed`` job (issue 8; DESIGN.md §3).
+"""Collective checkpoints of a ``torch.distributed`` job (DESIGN.md §3).
 
 Save (every rank calls :meth:`Checkpointer.save` at the same step, e.g. after
 ``preemption_requested(sync=True)`` agreed on it):
@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import torch
 from ckrun.checkpoint import layout, sharding
 from ckrun.checkpoint.commit import commit_manifest
-from ckrun.checkpoint.manifest import Manifest, ShardInfo
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 from ckrun.checkpoint.state import restore
 from ckrun.checkpoint.verify import head_problems
 from ckrun.errors import CheckpointError, ConfigError
@@ -262,7 +262,7 @@ def persist(
     step: int,
     snap: sharding.Planned,
     *,
-    kind: str,
+    kind: ManifestKind,
     make_manifest: MakeManifest,
 ) -> Manifest:
     """Steps 2-4 of a collective save (module docstring); every rank calls it.
@@ -281,7 +281,7 @@ def persist(
         StorageError: this rank's own write failed (re-raised after the others heard).
         CheckpointError: another rank failed, or rank 0's check of the shards did.
     """
-    area: layout.Area = "final" if kind == "final" else "checkpoints"
+    area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
     own_error: BaseException | None = None
     try:
         rep = _write_own(ck, step, snap, area)
@@ -323,7 +323,7 @@ def _commit(
             probe = Manifest(
                 run=ck.run,
                 step=step,
-                kind="recovery",
+                kind=ManifestKind.RECOVERY,
                 attempt=ck.attempt,
                 world_size=len(shards),
                 shards=shards,

@@ -20,14 +20,11 @@ from __future__ import annotations
 import logging
 
 from ckrun.checkpoint.manifest import Manifest
-from ckrun.checkpoint.verify import verify_manifest
+from ckrun.checkpoint.verify import verify_shards
 from ckrun.errors import CheckpointError, CorruptCheckpoint, ObjectExists, ObjectNotFound
 from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
-
-# problems of ckrun.checkpoint.verify that say "could not read", not "is bad"
-_TRANSIENT = ("cannot stat", "cannot read", "read error")
 
 
 class StepAlreadyCommitted(CheckpointError):
@@ -46,14 +43,14 @@ def _existing(storage: Storage, key: str) -> tuple[Manifest | None, list[str]]:
         return None, []
     except CorruptCheckpoint as e:
         return None, [str(e)]
-    problems = verify_manifest(storage, m)
-    transient = [p for p in problems if any(w in p for w in _TRANSIENT)]
-    if transient:  # never delete a manifest we could not read: it may be good
+    problems = verify_shards(storage, m)
+    unchecked = [p.message for p in problems if not p.conclusive]
+    if unchecked:  # never delete a manifest we could not read: it may be good
         raise CheckpointError(
-            f"{key} exists and cannot be checked ({'; '.join(transient)}); "
+            f"{key} exists and cannot be checked ({'; '.join(unchecked)}); "
             "retry the save once the storage is reachable"
         )
-    return m, problems
+    return m, [p.message for p in problems]
 
 
 def _same_contents(a: Manifest, b: Manifest) -> bool:

@@ -40,6 +40,7 @@ DEFAULT_POLICY: dict[str, str] = {
     "world_size": STRICT,
     "sharding": STRICT,
     "launch_hash": STRICT,
+    "signature": STRICT,
     "code_commit": WARN,
     "code_dirty": WARN,
     "torch_version": WARN,
@@ -134,8 +135,13 @@ def _same(a: Any, b: Any) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def _allowed(path: str, allow: Sequence[str]) -> bool:
+def is_allowed(path: str, allow: Sequence[str]) -> bool:
+    """Whether ``path`` is one of ``allow`` or under one of them (``config`` allows
+    ``config.lr``)."""
     return any(path == a or path.startswith(a + ".") for a in allow)
+
+
+_allowed = is_allowed
 
 
 def policy_of(path: str, policy: Mapping[str, str]) -> str:

@@ -10,71 +10,36 @@ and layout (FSDP2, DDP, one process); a DCP checkpoint saved that way by a
 torchtitan-style trainer (``dcp.save({"model": ..., "optimizer": ...})``) seeds a ckrun
 run through ``Checkpointer.load(state, from_dcp=PATH)``.
 
-Export writes the global tensors whole from one process (``dcp.save(..., no_dist=True)``;
-DCP reshards them on load).  Import builds, from the DCP metadata, a target for every
-tensor in the layout the current state wants (a DTensor's local shard, the parameter's
-layout for an optimizer state that does not exist yet, else a whole tensor: the targets
-of :mod:`ckrun.checkpoint.reshard`), lets ``dcp.load`` fill them (DCP reads only the
-chunks each rank needs), and restores the result with ``load_state_dict``.
+Export (``ckrun export RUN --format dcp -o OUT``, :func:`write_dcp` registered in
+:mod:`ckrun.checkpoint.export`) writes the global tensors whole from one process
+(``dcp.save(..., no_dist=True)``; DCP reshards them on load).  Import builds, from the
+DCP metadata, a target for every tensor in the layout the current state wants (a
+DTensor's local shard, the parameter's layout for an optimizer state that does not exist
+yet, else a whole tensor: the targets of :mod:`ckrun.checkpoint.reshard`), lets
+``dcp.load`` fill them (DCP reads only the chunks each rank needs), and restores the
+result with ``load_state_dict``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 from ckrun.checkpoint import reshard
-from ckrun.checkpoint.discovery import scan
-from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.sharding import dtensor_box, dtensor_type
 from ckrun.checkpoint.state import TREE_VERSION, restore
-from ckrun.errors import CheckpointError, ConfigError, UsageError
-from ckrun.storage.base import Storage
+from ckrun.errors import ConfigError
 
 
-def _manifest(storage: Storage, step: int | None) -> Manifest:
-    ms = scan(storage).manifests
-    if step is not None:
-        ms = [m for m in ms if m.step == step]
-    if not ms:
-        at = "" if step is None else f" at step {step}"
-        raise UsageError(f"{storage.url} has no committed checkpoint{at}")
-    return ms[0]
-
-
-def export_dcp(run: str | Storage, out: str, *, step: int | None = None) -> Manifest:
-    """Write a run's checkpoint (newest, or ``step``) as a DCP directory ``out``.
-
-    Returns:
-        The manifest exported.
-
-    Raises:
-        UsageError: no committed checkpoint (at ``step``), or ``out`` exists and is not
-            an empty directory.
-        CorruptCheckpoint: the checkpoint does not verify (ranged reads, CRC32C).
-    """
-    from ckrun.storage import open_storage
+def write_dcp(user: dict[str, Any], out: str) -> None:
+    """Write a run's user state (global tensors whole) as a DCP directory ``out`` from
+    one process; the ``dcp`` format of ``ckrun export`` (:mod:`ckrun.checkpoint.export`
+    reads and verifies the checkpoint, then replaces ``out`` atomically)."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    storage = open_storage(run) if isinstance(run, str) else run
-    m = _manifest(storage, step)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UsageError(f"{out} exists and is not an empty directory; choose a new -o path")
-    if m.tensor_layout is not None:
-        tree = reshard.full_state(storage, m, 0)
-    else:  # format 1: rank 0's shard holds the whole (replicated) state
-        from ckrun.checkpoint.shard_reader import read_shard
-
-        s = next(s for s in m.shards if s.rank == 0)
-        with storage.open_read(s.key) as f:
-            tree = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
-    user = tree["user"] if isinstance(tree, Mapping) else None
-    if not isinstance(user, dict):
-        raise CheckpointError(f"{m.key}: no user state to export")
     save(user, checkpoint_id=out, no_dist=True)
-    return m
 
 
 def load_dcp(state: MutableMapping[str, Any], path: str) -> None:

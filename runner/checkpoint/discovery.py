@@ -2,8 +2,9 @@
 
 Discovery lists manifests: a checkpoint exists exactly when its manifest does, so no
 "latest" pointer can run ahead of the data (DESIGN.md §3).  The supervisor's preflight
-calls :func:`preflight` before it spawns the child; :class:`ckrun.Checkpointer` and the
-CLI use :func:`scan` / :func:`committed`.
+calls :func:`preflight` before it spawns the child (which also completes a run whose
+final artifact was committed without its marker, :func:`complete_from_final`);
+:class:`ckrun.Checkpointer` and the CLI use :func:`scan` / :func:`committed`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from ckrun.checkpoint import layout
 from ckrun.checkpoint.compat import compare, normalize
-from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.manifest import Manifest, ManifestKind
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.verify import head_problems
 from ckrun.errors import CorruptCheckpoint, ObjectNotFound, StorageError
@@ -62,7 +63,7 @@ def scan(storage: Storage) -> Scan:
                 out.problems.append((info.key, str(e)))
                 continue
             out.manifests.append(m)
-    out.manifests.sort(key=lambda m: (m.step, m.kind == "final"), reverse=True)
+    out.manifests.sort(key=lambda m: (m.step, m.kind == ManifestKind.FINAL), reverse=True)
     return out
 
 
@@ -98,6 +99,51 @@ def completion(storage: Storage) -> tuple[CompletionMarker | None, str | None]:
                 f"{a.size_bytes} bytes"
             )
     return marker, None
+
+
+def committed_final(storage: Storage, step: int | None = None) -> Manifest | None:
+    """The newest committed final artifact (of ``step`` when given) whose shards all
+    exist with their recorded sizes, else None."""
+    for m in scan(storage).manifests:
+        if m.kind == "final" and (step is None or m.step == step) and not head_problems(storage, m):
+            return m
+    return None
+
+
+def complete_from_final(storage: Storage) -> CompletionMarker | None:
+    """Write the missing ``COMPLETE.json`` of a run whose final artifact is committed.
+
+    ``finalize`` commits the final manifest and then writes the marker; a process killed
+    between the two leaves a finished run without its marker.  This writes the marker
+    from the committed final artifact (the newest one whose shards pass the head check),
+    with a conditional create: a marker another process wrote first is kept.  Used by
+    the supervisor's preflight (:func:`preflight`) and ``Checkpointer.finalize``.
+
+    Returns:
+        The valid marker now in place, or None (no marker and no usable final artifact).
+
+    Raises:
+        StorageError: the storage failed.
+    """
+    from ckrun.errors import ObjectExists
+
+    marker, problem = completion(storage)
+    if marker is not None or problem is not None:
+        return marker  # a present marker is never overwritten, even an invalid one
+    final = committed_final(storage)
+    if final is None:
+        return None
+    try:
+        storage.put(layout.COMPLETE, CompletionMarker.for_manifest(final).dumps(), if_absent=True)
+        log.warning(
+            "final artifact of step %d was committed without %s (the process ended "
+            "in between): marker written from it",
+            final.step,
+            layout.COMPLETE,
+        )
+    except ObjectExists:
+        pass
+    return completion(storage)[0]
 
 
 @dataclass
@@ -142,6 +188,8 @@ def preflight(
     res.complete, problem = completion(storage)
     if problem:
         res.warnings.append(f"completion marker ignored: {problem}")
+    elif res.complete is None:
+        res.complete = complete_from_final(storage)
     sc = scan(storage)
     for m in sc.manifests:
         bad = head_problems(storage, m)

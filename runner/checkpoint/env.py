@@ -6,6 +6,15 @@ configures.  :func:`install_excepthook` makes an uncaught
 :class:`ckrun.errors.CkrunError` end the process with that error's ``exit_code``
 (``IncompatibleCheckpoint`` → 4, storage errors → 5, ...), so the supervisor and
 Kubernetes' ``podFailurePolicy`` can tell a refused resume from a bug in the user's code.
+
+The hook never cuts the process short (no ``os._exit``): it raises ``SystemExit(code)``,
+which CPython turns into a normal interpreter exit with that status when it comes out of
+``sys.excepthook`` (``Python/pythonrun.c``: ``handle_system_exit`` after the hook).
+The normal shutdown then drains ckrun's work before the process ends: the in-flight
+``async_save`` is committed (:func:`ckrun.checkpoint.async_save._drain_at_exit`) and the
+queued uploads of a tiered storage are finished (``TieredStorage._drain_at_exit``), each
+bounded by the deadline of a pending notice (past it the supervisor's KILL ends the
+process; the commit protocol leaves the previous checkpoint intact).
 """
 
 from __future__ import annotations
@@ -67,23 +76,38 @@ def open_storage_from_env(
 
 
 def checkpointer_arguments(
-    compat: Mapping[str, Any] | None, kw: dict[str, Any]
+    compat: Mapping[str, Any] | None,
+    kw: dict[str, Any],
+    default_storage: str | Storage | None = None,
 ) -> tuple[str | Storage, dict[str, Any], dict[str, Any]]:
-    """``(storage URL or Storage object, compat block, keyword arguments)`` of
-    :meth:`ckrun.Checkpointer.from_env`: ``CKRUN_STORAGE`` (else ``storage=``), the compat
-    block with ``launch_hash`` from ``CKRUN_CONFIG_HASH``, ``allow_change`` extended by
-    ``CKRUN_ALLOW_CHANGE``, ``resume_step`` from ``CKRUN_RESUME_STEP`` and ``run`` from
-    ``CKRUN_RUN`` unless given.
+    """``(storage, compat block, keyword arguments)`` of :meth:`ckrun.Checkpointer.from_env`.
+
+    Explicit beats ambient, and a conflict is refused: ``storage=`` and ``resume_step=``
+    that differ from a set ``CKRUN_STORAGE``/``CKRUN_RESUME_STEP`` raise
+    :class:`ConfigError` naming both values (``run=``/``attempt=`` are checked the same
+    way by the Checkpointer); an argument equal to its variable, or given where the
+    variable is unset, is used.  The storage is ``storage=``, else ``CKRUN_STORAGE``,
+    else ``default_storage`` (a fallback for runs outside the supervisor).  The compat
+    block gets ``launch_hash`` from ``CKRUN_CONFIG_HASH``; ``allow_change`` is extended by
+    ``CKRUN_ALLOW_CHANGE`` (both are allowances); ``resume_step`` and ``run`` come from
+    ``CKRUN_RESUME_STEP``/``CKRUN_RUN`` unless given.
 
     Raises:
-        ConfigError: neither ``CKRUN_STORAGE`` nor ``storage=`` names the storage, or a
-            ``CKRUN_*`` integer is malformed.
+        ConfigError: no storage named, an argument conflicting with its variable, or a
+            malformed ``CKRUN_*`` integer.
     """
     from ckrun.checkpoint.compat import parse_allow_change
 
     kw = dict(kw)
-    url = os.environ.get("CKRUN_STORAGE") or kw.pop("storage", None)
-    kw.pop("storage", None)
+    explicit = kw.pop("storage", None)
+    env_url = os.environ.get("CKRUN_STORAGE") or None
+    if explicit is not None and env_url and not same_storage(explicit, env_url):
+        raise ConfigError(
+            f"storage={url_of(explicit)!r} conflicts with CKRUN_STORAGE={env_url!r} set by "
+            "the supervisor: drop the argument, or pass it as default_storage= (used only "
+            "when CKRUN_STORAGE is unset)"
+        )
+    url = explicit or env_url or default_storage
     if not url:
         raise ConfigError(
             "CKRUN_STORAGE is not set: run the script under `ckrun run`, "
@@ -96,9 +120,36 @@ def checkpointer_arguments(
         os.environ.get("CKRUN_ALLOW_CHANGE")
     )
     if os.environ.get("CKRUN_RESUME_STEP"):
+        refuse_conflict("resume_step", kw.get("resume_step"), "CKRUN_RESUME_STEP")
         kw.setdefault("resume_step", env_int("CKRUN_RESUME_STEP", -1))
     kw.setdefault("run", os.environ.get("CKRUN_RUN") or None)
-    return url, block, kw  # a Storage object passed as storage= stays one
+    return url, block, kw
+
+
+def refuse_conflict(name: str, value: Any, var: str) -> None:
+    """Raise ConfigError when ``value`` is given and differs from the set ``var``."""
+    text = os.environ.get(var, "").strip()
+    if value is None or not text or str(value) == text:
+        return
+    raise ConfigError(
+        f"{name}={value!r} conflicts with {var}={text!r} from the environment: "
+        f"drop the argument to use the supervisor's value, or unset {var}"
+    )
+
+
+def url_of(storage: str | Storage) -> str:
+    """The URL of a storage given as a URL/path or a Storage."""
+    return storage if isinstance(storage, str) else storage.url
+
+
+def same_storage(a: str | Storage, b: str) -> bool:
+    """Whether two storage names denote one root (local paths compared resolved)."""
+
+    def norm(u: str) -> str:
+        u = u.removeprefix("file://")
+        return u.rstrip("/") if "://" in u else os.path.realpath(u)
+
+    return norm(url_of(a)) == norm(b)
 
 
 def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
@@ -110,11 +161,14 @@ def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | Non
         if os.environ.get("CKRUN_TRACEBACK"):
             traceback.print_exception(tp, value, tb, file=sys.stderr)
         print(f"ckrun: {tp.__name__}: {value}", file=sys.stderr)
-        print(f"ckrun: exiting with status {code}", file=sys.stderr)
+        print(
+            f"ckrun: exiting with status {code} (in-flight saves and uploads finish first)",
+            file=sys.stderr,
+        )
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        os._exit(code)
+        raise SystemExit(code)  # a normal exit with this status (module docstring)
 
 
 def install_excepthook() -> None:

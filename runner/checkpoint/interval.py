@@ -327,12 +327,11 @@ def parse_every(value: Any) -> int | str | None:
 def events_path_for(storage: Any) -> str | None:
     """The run's ``events.jsonl`` as seen from the child: next to ``CKRUN_CONTROL_DIR``
     (``<state root>/control[/rankN]``), else in a local run root; None when unknown."""
-    cdir = os.environ.get("CKRUN_CONTROL_DIR")
-    if cdir:
-        cdir = os.path.normpath(cdir)
-        if os.path.basename(cdir).startswith("rank"):
-            cdir = os.path.dirname(cdir)
-        return os.path.join(os.path.dirname(cdir), "events.jsonl")
+    from ckrun.runlog import child_events_path
+
+    path = child_events_path()
+    if path is not None:
+        return path
     local = getattr(storage, "local_path", None)
     path = local("events.jsonl") if callable(local) else None
     return path if isinstance(path, str) and os.path.exists(path) else None

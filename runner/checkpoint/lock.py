@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import socket
+import threading
+import weakref
 from typing import Any
 
 from ckrun.checkpoint import layout
@@ -23,21 +25,35 @@ from filelock import FileLock, Timeout
 
 log = logging.getLogger(__name__)
 
+# run identity (lock path, or storage URL without one) -> the WriterLock holding it in
+# this process, so a second Checkpointer on one run is told about the first one.
+_HELD: dict[str, tuple[weakref.ref[WriterLock], str]] = {}
+_HELD_LOCK = threading.Lock()
+
 
 class WriterLock:
     """Exclusive writer lock on a run root.
+
+    Within one process, a second lock object on the same run (a second ``Checkpointer``)
+    is refused by name before the file lock is tried: the message names where the first
+    one was created (``owner``), not "another process".  This holds on every storage,
+    S3 included.
 
     Args:
         storage: the run root.
         run: run id (for messages).
         attempt: this process's attempt number.
+        owner: who holds this lock, for messages (e.g. ``Checkpointer created at
+            train.py:42``).
     """
 
-    def __init__(self, storage: Storage, *, run: str, attempt: int):
+    def __init__(self, storage: Storage, *, run: str, attempt: int, owner: str = ""):
         self._storage = storage
         self._run = run
         self._attempt = attempt
+        self._owner = owner or "a Checkpointer"
         path = storage.local_path(layout.WRITER_LOCK)
+        self._ident = path or storage.url.rstrip("/")
         self._lock: FileLock | None = None
         if path is not None:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -48,6 +64,24 @@ class WriterLock:
         """True while this object holds the lock."""
         return self._lock is not None and self._lock.is_locked
 
+    def _claim(self) -> None:
+        """Register this lock as the process's writer of the run.
+
+        Raises:
+            RunLocked: another live lock object of this process holds the run.
+        """
+        with _HELD_LOCK:
+            ref, owner = _HELD.get(self._ident, (None, ""))
+            other = ref() if ref is not None else None
+            if other is not None and other is not self:
+                raise RunLocked(
+                    f"run {self._run!r} at {self._storage.url} is already open for writing "
+                    f"in this process by {owner}; close() that Checkpointer (or use it in a "
+                    "`with` block) before creating another one, or reuse it",
+                    holder={"pid": os.getpid(), "owner": owner},
+                )
+            _HELD[self._ident] = (weakref.ref(self), self._owner)
+
     def acquire(self) -> None:
         """Take the lock (no waiting) and record the holder.
 
@@ -55,11 +89,13 @@ class WriterLock:
             RunLocked: another live process holds it; the message names host, pid and
                 attempt from the holder file.
         """
+        self._claim()
         if self._lock is None or self._lock.is_locked:
             return
         try:
             self._lock.acquire(timeout=0)
         except Timeout as e:
+            self._unclaim()
             holder = self.holder()
             who = (
                 ", ".join(
@@ -83,6 +119,7 @@ class WriterLock:
             self._storage.put(layout.WRITER_HOLDER, json.dumps(body).encode())
         except StorageError:
             self._lock.release()
+            self._unclaim()
             raise
 
     def holder(self) -> dict[str, Any]:
@@ -93,7 +130,14 @@ class WriterLock:
             return {}
         return body if isinstance(body, dict) else {}
 
+    def _unclaim(self) -> None:
+        with _HELD_LOCK:
+            ref, _ = _HELD.get(self._ident, (None, ""))
+            if ref is not None and ref() in (self, None):
+                del _HELD[self._ident]
+
     def release(self) -> None:
         """Release the lock (idempotent)."""
+        self._unclaim()
         if self._lock is not None and self._lock.is_locked:
             self._lock.release(force=True)

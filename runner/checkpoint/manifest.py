@@ -17,14 +17,27 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from ckrun.checkpoint import layout
+from ckrun.enums import StrEnum
 from ckrun.errors import CorruptCheckpoint, InvalidKey
 from ckrun.storage.base import validate_key
 
 FORMAT = "ckrun.manifest"
 #: 1: one whole-state shard per rank; 2: adds ``tensor_layout`` (issue 14, sharded state)
 FORMAT_VERSION = 2
+#: fields a manifest may omit (absent in manifests written before issue 13)
+OPTIONAL_FIELDS = frozenset({"signature"})
 Kind = Literal["recovery", "milestone", "final"]
-KINDS: tuple[str, ...] = ("recovery", "milestone", "final")
+
+
+class ManifestKind(StrEnum):
+    """What a checkpoint is for (retention keeps them differently)."""
+
+    RECOVERY = "recovery"  # the newest ``keep_last`` are kept
+    MILESTONE = "milestone"  # kept forever
+    FINAL = "final"  # the final artifact, under ``final/``
+
+
+KINDS: tuple[ManifestKind, ...] = tuple(ManifestKind)
 CHECKSUM_ALGO = "crc32c"
 
 
@@ -69,7 +82,7 @@ class Manifest:
     Attributes:
         run: run id.
         step: training step the state belongs to.
-        kind: ``recovery``, ``milestone`` or ``final``.
+        kind: a :class:`ManifestKind`.
         attempt: attempt number that wrote it.
         world_size: number of ranks (one shard per rank).
         shards: the shard files, by rank.
@@ -81,6 +94,9 @@ class Manifest:
         save_duration_s: seconds from the start of the save to the commit.
         versions: ``ckrun``, ``torch``, ``python`` versions of the writer.
         compat_drift: allowed or warned compat differences against ``resumed_from``.
+        signature: the model signature and optimizer parameter names
+            (:mod:`ckrun.checkpoint.signature`), or None (no module in the state, or a
+            format-1 manifest).
         tensor_layout: format 2 (:mod:`ckrun.checkpoint.sharding`): per shard its header size
             and CRC32C and its entries' byte ranges and CRC32C; per global tensor its
             dtype, shape and saved pieces.  None in a format-1 manifest.
@@ -89,7 +105,7 @@ class Manifest:
 
     run: str
     step: int
-    kind: str
+    kind: ManifestKind
     attempt: int
     world_size: int
     shards: tuple[ShardInfo, ...]
@@ -101,6 +117,7 @@ class Manifest:
     save_duration_s: float
     versions: dict[str, str] = field(default_factory=dict)
     compat_drift: tuple[str, ...] = ()
+    signature: dict[str, Any] | None = None
     tensor_layout: dict[str, Any] | None = None
     key: str = field(default="", compare=False)
 
@@ -112,7 +129,7 @@ class Manifest:
     @property
     def area(self) -> layout.Area:
         """``final`` for the final artifact, else ``checkpoints``."""
-        return "final" if self.kind == "final" else "checkpoints"
+        return "final" if self.kind == ManifestKind.FINAL else "checkpoints"
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object (format and version included)."""
@@ -133,7 +150,7 @@ class Manifest:
             "save_duration_s": self.save_duration_s,
             "versions": self.versions,
             "compat_drift": list(self.compat_drift),
-        }
+        } | ({"signature": self.signature} if self.signature is not None else {})
         if self.tensor_layout is not None:
             body["tensor_layout"] = self.tensor_layout
         return body
@@ -168,14 +185,19 @@ class Manifest:
             raise CorruptCheckpoint(f"{where}: expected a JSON object", key=key)
         check_format(obj, FORMAT, FORMAT_VERSION, where)
         expected = set(Manifest.__dataclass_fields__) - {"key"} | {"format", "format_version"}
+        expected -= OPTIONAL_FIELDS - obj.keys()
         if obj["format_version"] == 1:
             expected.discard("tensor_layout")
         exact_fields(obj, expected, where)
+        signature = obj.get("signature")
+        if signature is not None and not isinstance(signature, dict):
+            raise CorruptCheckpoint(f"{where}: field 'signature' must be an object", key=key)
         step = typed_field(obj, "step", int, where)
-        kind = typed_field(obj, "kind", str, where)
-        if kind not in KINDS or step < 0:
-            raise CorruptCheckpoint(f"{where}: invalid kind {kind!r} or step {step}", key=key)
-        area: layout.Area = "final" if kind == "final" else "checkpoints"
+        text = typed_field(obj, "kind", str, where)
+        if text not in KINDS or step < 0:
+            raise CorruptCheckpoint(f"{where}: invalid kind {text!r} or step {step}", key=key)
+        kind = ManifestKind(text)
+        area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
         entries = typed_field(obj, "shards", list, where)
         shards = tuple(parse_shard(s, step, area, where) for s in entries)
         world = typed_field(obj, "world_size", int, where)
@@ -212,6 +234,7 @@ class Manifest:
             save_duration_s=float(duration),
             versions=typed_field(obj, "versions", dict, where),
             compat_drift=tuple(str(d) for d in drift),
+            signature=signature,
             tensor_layout=lay,
             key=key,
         )

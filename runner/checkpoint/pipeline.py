@@ -32,7 +32,7 @@ from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.compat import normalize
 from ckrun.checkpoint.discovery import completion, scan
 from ckrun.checkpoint.lock import WriterLock
-from ckrun.checkpoint.manifest import Manifest, ShardInfo, utc_now
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.state import capture
 from ckrun.errors import CheckpointError, RunComplete, StorageError
 from ckrun.storage.base import ObjectWriter, Storage
@@ -83,6 +83,9 @@ class CommitContext:
         verified: manifest keys this process wrote or verified (not re-hashed).
         written: the last manifest this process committed.
         complete: the run has its completion marker.
+        signature: the model signature of the state last seen
+            (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
+            compared by the next load.
     """
 
     storage: Storage
@@ -100,6 +103,7 @@ class CommitContext:
     verified: set[str] = field(default_factory=set)
     written: Manifest | None = None
     complete: bool = False
+    signature: dict[str, Any] | None = None
 
 
 def check_step(step: Any) -> None:
@@ -108,10 +112,10 @@ def check_step(step: Any) -> None:
         raise CheckpointError(f"step must be an int >= 0, got {step!r}")
 
 
-def kind_for(ctx: CommitContext, step: int) -> str:
+def kind_for(ctx: CommitContext, step: int) -> ManifestKind:
     """``milestone`` for a step retention keeps forever, else ``recovery``."""
     milestone = bool(ctx.milestone_every and step % ctx.milestone_every == 0)
-    return "milestone" if milestone else "recovery"
+    return ManifestKind.MILESTONE if milestone else ManifestKind.RECOVERY
 
 
 def check_not_complete(ctx: CommitContext) -> None:
@@ -187,6 +191,8 @@ def persist(
         CheckpointError: a collective save failed on another rank.
     """
 
+    kind = ManifestKind(kind)  # a ManifestKind, or its value
+
     def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
         return make_manifest(
             ctx, step, kind, shards, compat, metrics, created_utc, started, mkey, lay
@@ -205,7 +211,7 @@ def persist(
             m.save_duration_s,
         )
         return m
-    area: layout.Area = "final" if kind == "final" else "checkpoints"
+    area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
     key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
     out = sharding.write_object((open_shard or ctx.storage.open_write)(key), snap)
     size, checksum = out.size_bytes, out.checksum
@@ -244,7 +250,7 @@ def make_manifest(
     return Manifest(
         run=ctx.run,
         step=step,
-        kind=kind,
+        kind=ManifestKind(kind),
         attempt=ctx.attempt,
         world_size=len(shards),
         shards=shards,
@@ -260,6 +266,7 @@ def make_manifest(
             "python": platform.python_version(),
         },
         compat_drift=tuple(ctx.drift),
+        signature=ctx.signature,
         tensor_layout=tensor_layout,
         key=mkey,
     )

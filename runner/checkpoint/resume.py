@@ -14,8 +14,8 @@ import os
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-from ckrun.checkpoint import collective, reshard
-from ckrun.checkpoint.compat import compare
+from ckrun.checkpoint import collective, reshard, signature
+from ckrun.checkpoint.compat import DEFAULT_POLICY, compare
 from ckrun.checkpoint.discovery import scan
 from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.pipeline import CommitContext
@@ -25,6 +25,7 @@ from ckrun.checkpoint.verify import verify_manifest
 from ckrun.errors import (
     CheckpointError,
     CorruptCheckpoint,
+    CorruptObject,
     IncompatibleCheckpoint,
     ObjectNotFound,
 )
@@ -47,12 +48,28 @@ def gate(
     """
     allow = tuple(allow_change) + collective.allowed_changes(m, ctx.world_size)
     cmp = compare(current, m.compat, allow_change=allow, policy=policy)
+    shapes, modules = signature.compare(
+        ctx.signature,
+        m.signature,
+        allow_change=allow,
+        policy=DEFAULT_POLICY if policy is None else policy,
+    )
+    cmp.refuse += shapes.refuse
+    cmp.warn += shapes.warn
+    cmp.allowed += shapes.allowed
     if cmp.refuse:
+        what = (
+            f"does not fit the parameters of {', '.join(map(repr, modules))}"
+            if modules
+            else "belongs to a different experiment"
+        )
         raise IncompatibleCheckpoint(
-            f"checkpoint step {m.step} in {ctx.storage.url} belongs to a different "
-            "experiment:\n  " + "\n  ".join(cmp.refuse) + "\nrestore the original "
+            f"checkpoint step {m.step} in {ctx.storage.url} {what}:\n  "
+            + "\n  ".join(cmp.refuse)
+            + "\nrestore the original "
             "settings, allow the change (allow_change=(FIELD,) or --allow-change FIELD) "
-            "or start a new run directory",
+            "or start a new run directory (a parameter's name, shape or dtype: "
+            "allow_change=('signature',) if the model change is intended)",
             diff=cmp.refuse,
             step=m.step,
         )
@@ -89,9 +106,12 @@ def read(ctx: CommitContext, m: Manifest, want: Mapping[str, Any]) -> Any:
             key=s.key,
             step=m.step,
         )
-    with ctx.storage.open_read(s.key) as f:
-        _advise_sequential(f)
-        return read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+    try:
+        with ctx.storage.open_read(s.key) as f:
+            _advise_sequential(f)
+            return read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+    except CorruptObject as e:  # the store's checksum/length check: the shard is bad
+        raise CorruptCheckpoint(f"{s.key}: {e}", key=s.key, step=m.step) from e
 
 
 def load(
@@ -131,6 +151,8 @@ def load(
             log.error("%s; falling back to an older checkpoint", msg)
             skipped.append(msg)
             continue
+        where = f"checkpoint step {m.step}"
+        signature.remap_tree(tree, m.signature, state, ctx.signature, where=where)
         if m.world_size != ctx.world_size:
             collective.restore_resharded(
                 state, tree, m, rank=ctx.rank, world_size=ctx.world_size, seed=seed

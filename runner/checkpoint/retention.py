@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckrun.checkpoint import layout
-from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.manifest import Manifest, ManifestKind
 from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,10 @@ def select(
     keep = set(sorted(steps, reverse=True)[:keep_last]) | set(protect)
     out = set()
     for step, kind in steps.items():
-        milestone = kind == "milestone" or bool(milestone_every and step % milestone_every == 0)
-        if step in keep or milestone or kind == "final":
+        milestone = kind == ManifestKind.MILESTONE or bool(
+            milestone_every and step % milestone_every == 0
+        )
+        if step in keep or milestone or kind == ManifestKind.FINAL:
             continue
         out.add(step)
     return out

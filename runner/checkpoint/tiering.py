@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
 import crc32c
-from ckrun.checkpoint.manifest import Manifest, ShardInfo
+from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 
 from .. import control
 from ..errors import ConfigError, CorruptCheckpoint, ObjectExists, ObjectNotFound, StorageError
@@ -168,7 +168,7 @@ class TieredStorage:
         m = Manifest.loads(self.local.get(key), key=key)
         emergency = control.preemption_requested()
         ordinal = self._ordinal
-        if m.kind != "final":
+        if m.kind != ManifestKind.FINAL:
             self._ordinal += 1
         if not self.policy.selects(m, emergency=emergency, ordinal=ordinal):
             log.info(

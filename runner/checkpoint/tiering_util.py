@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.manifest import Manifest, ManifestKind
 
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectWriter
@@ -43,10 +43,10 @@ class UploadPolicy:
 
     def selects(self, m: Manifest, *, emergency: bool, ordinal: int) -> bool:
         """Whether ``m`` (the ``ordinal``-th commit seen, from 0) is uploaded."""
-        if emergency or m.kind == "final" or self.mode == "every":
+        if emergency or m.kind == ManifestKind.FINAL or self.mode == "every":
             return True
         if self.mode == "milestones":
-            return bool(m.kind == "milestone")
+            return bool(m.kind == ManifestKind.MILESTONE)
         if self.mode == "every_n":
             return ordinal % self.every_n == 0
         return False

@@ -1,11 +1,16 @@
-"""``ckrun ls`` and ``ckrun verify``: inspect a run root's checkpoints (no torch import).
+"""``ckrun ls``, ``ckrun verify`` and ``ckrun export``: a run root's checkpoints.
 
-``ls`` lists committed checkpoints (and unusable manifests) with a head-only status;
-``verify`` re-hashes every shard (CRC32C) and exits non-zero naming each bad file.
-``runner/cli.py`` adds both to the ``ckrun`` group.
+``ls`` lists committed checkpoints (and unusable manifests); its status says what was
+checked: ``committed`` (the manifest exists and every shard has its recorded size: a
+head check, nothing re-read), ``verified`` (``--verify``: every shard re-hashed against
+its CRC32C), or ``damaged``/``CORRUPT``/``invalid`` with the problem.  ``verify``
+re-hashes every shard and exits non-zero naming each bad file.  ``export`` writes the
+consolidated model (and optimizer) state of one checkpoint (:mod:`ckrun.checkpoint.export`;
+it imports torch, ``ls`` and ``verify`` do not).  ``runner/cli/main.py`` adds them to
+the ``ckrun`` group.
 
 Exit codes: 0 good; 5 (``ExitCode.STORAGE_ERROR``) a checkpoint is corrupt or storage
-failed; 2 bad usage (no such run directory or step).
+failed; 2 bad usage (no such run directory, a directory that holds no run, no such step).
 """
 
 from __future__ import annotations
@@ -17,9 +22,34 @@ from typing import Any
 import click
 from ckrun.checkpoint.discovery import completion, scan
 from ckrun.checkpoint.manifest import Manifest
-from ckrun.checkpoint.verify import head_problems, verify_manifest
+from ckrun.checkpoint.verify import head_problems, verify_manifest, verify_shards
 from ckrun.errors import CkrunError, ExitCode, UsageError
 from ckrun.storage.base import Storage
+
+
+def run_root(run: str, storage: str | None) -> str:
+    """The run root ``ls``/``verify`` inspect: ``run`` itself when it is a URL or an
+    existing directory (and no ``--storage`` is given), else the root of the run named
+    ``run`` under ``--storage`` (its ``run.json`` says where its checkpoints are).
+
+    Raises:
+        UsageError: neither a directory nor a run of that name exists.
+    """
+    local = run.removeprefix("file://")
+    if "://" in local or (storage is None and os.path.isdir(local)):
+        return run
+    from ckrun.cli.commands import locate
+    from ckrun.errors import ConfigError
+
+    try:
+        rd = locate(run, storage)
+    except (UsageError, ConfigError) as e:
+        raise UsageError(
+            f"{run}: no such run directory, and {e}; pass the run root (the directory "
+            "holding checkpoints/ and run.json) or a run name with --storage DIR"
+        ) from None
+    cfg = rd.load_config()
+    return cfg.run_root if cfg is not None else rd.root
 
 
 def _open(run_dir: str) -> Storage:
@@ -32,6 +62,19 @@ def _open(run_dir: str) -> Storage:
             "(the directory holding checkpoints/ and run.json)"
         )
     return open_storage_from_env(run_dir)
+
+
+#: keys whose presence makes a directory a run root
+_RUN_MARKS = ("checkpoints/", "final/", "COMPLETE.json", "run.json", "events.jsonl")
+
+
+def _require_run(storage: Storage, run_dir: str) -> None:
+    """Raise UsageError when ``storage`` holds nothing of a ckrun run."""
+    if not any(i.key.startswith(_RUN_MARKS) for i in storage.list("")):
+        raise UsageError(
+            f"{run_dir}: holds no ckrun run (no checkpoints/, final/, run.json or "
+            "COMPLETE.json); pass the run root, e.g. ckrun-runs/NAME"
+        )
 
 
 def _size(n: int) -> str:
@@ -47,11 +90,18 @@ def _fail(ctx: click.Context, e: CkrunError) -> None:
     ctx.exit(int(e.exit_code))
 
 
-def _rows(storage: Storage) -> list[dict[str, Any]]:
+def _rows(storage: Storage, rehash: bool = False) -> list[dict[str, Any]]:
     sc = scan(storage)
     rows: list[dict[str, Any]] = []
     for m in sc.manifests:
         bad = head_problems(storage, m)
+        if bad:
+            status = "damaged: " + "; ".join(bad)
+        elif rehash:
+            problems = [p.message for p in verify_shards(storage, m)]
+            status = "verified" if not problems else "CORRUPT: " + "; ".join(problems)
+        else:
+            status = "committed"
         rows.append(
             {
                 "step": m.step,
@@ -60,7 +110,7 @@ def _rows(storage: Storage) -> list[dict[str, Any]]:
                 "committed_utc": m.committed_utc,
                 "attempt": m.attempt,
                 "save_duration_s": m.save_duration_s,
-                "status": "ok" if not bad else "damaged: " + "; ".join(bad),
+                "status": status,
             }
         )
     for key, problem in sc.problems:
@@ -79,16 +129,31 @@ def _rows(storage: Storage) -> list[dict[str, Any]]:
     return rows
 
 
+_storage_opt = click.option(
+    "--storage", default=None, metavar="DIR", help="Storage base when RUN is a run name."
+)
+
+
 @click.command("ls")
-@click.argument("run_dir")
+@click.argument("run_dir", metavar="RUN")
+@_storage_opt
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (rows, complete).")
+@click.option(
+    "--verify", "rehash", is_flag=True, help="Re-hash every shard: status 'verified' or CORRUPT."
+)
 @click.pass_context
-def ls(ctx: click.Context, run_dir: str, as_json: bool) -> None:
-    """List the checkpoints of RUN_DIR: step, kind, size, committed UTC, status."""
+def ls(ctx: click.Context, run_dir: str, storage: str | None, as_json: bool, rehash: bool) -> None:
+    """List the checkpoints of RUN (a run name, a run root directory or URL): step,
+    kind, size, committed UTC, status.
+
+    STATUS is 'committed' (manifest present, shard sizes right; not re-read) unless
+    --verify re-hashed the shards ('verified').
+    """
     try:
-        storage = _open(run_dir)
-        rows = _rows(storage)
-        marker, problem = completion(storage)
+        run_dir = run_root(run_dir, storage)
+        storage_ = _open(run_dir)
+        rows = _rows(storage_, rehash)
+        marker, problem = completion(storage_)
     except CkrunError as e:
         _fail(ctx, e)
         return
@@ -119,26 +184,35 @@ def ls(ctx: click.Context, run_dir: str, as_json: bool) -> None:
 
 
 @click.command("verify")
-@click.argument("run_dir")
+@click.argument("run_dir", metavar="RUN")
+@_storage_opt
 @click.option("--step", type=int, default=None, help="Verify only this step.")
 @click.pass_context
-def verify(ctx: click.Context, run_dir: str, step: int | None) -> None:
-    """Re-hash every shard of RUN_DIR's checkpoints; exit 5 naming each bad file."""
+def verify(ctx: click.Context, run_dir: str, storage: str | None, step: int | None) -> None:
+    """Re-hash every shard of RUN's checkpoints (a run name, a run root directory or
+    URL); exit 5 naming each bad file."""
     try:
-        storage = _open(run_dir)
-        sc = scan(storage)
+        run_dir = run_root(run_dir, storage)
+        storage_ = _open(run_dir)
+        _require_run(storage_, run_dir)
+        sc = scan(storage_)
     except CkrunError as e:
         _fail(ctx, e)
         return
     todo: list[Manifest] = [m for m in sc.manifests if step is None or m.step == step]
     if step is not None and not todo:
-        _fail(ctx, UsageError(f"{run_dir}: no committed checkpoint at step {step}; see `ckrun ls`"))
+        _fail(
+            ctx,
+            UsageError(
+                f"{run_dir}: no committed checkpoint at step {step}; see `ckrun ls {run_dir}`"
+            ),
+        )
         return
     bad = 0
     for m in todo:
-        problems = verify_manifest(storage, m)
+        problems = verify_manifest(storage_, m)
         bad += bool(problems)
-        status = "ok" if not problems else "CORRUPT"
+        status = "verified" if not problems else "CORRUPT"
         click.echo(f"step {m.step} ({m.kind}, {_size(m.total_size_bytes)}): {status}")
         for p in problems:
             click.echo(f"  {p}")
@@ -150,3 +224,43 @@ def verify(ctx: click.Context, run_dir: str, step: int | None) -> None:
         click.echo(f"{bad} bad checkpoint(s) in {run_dir}", err=True)
         ctx.exit(int(ExitCode.STORAGE_ERROR))
     click.echo(f"{len(todo)} checkpoint(s) verified")
+
+
+@click.command("export")
+@click.argument("run_dir")
+@click.option("--step", type=int, default=None, help="Checkpoint step [newest committed].")
+@click.option(
+    "--format",
+    "fmt",
+    required=True,
+    metavar="FORMAT",
+    help="safetensors | torch (or another registered format).",
+)
+@click.option("-o", "--output", "out", required=True, metavar="OUT", help="Output file.")
+@click.option("--key", default=None, help="Run-state entry of the model [the only one / model].")
+@click.option("--optimizer", is_flag=True, help="Also export the optimizer state.")
+@click.pass_context
+def export(
+    ctx: click.Context,
+    run_dir: str,
+    step: int | None,
+    fmt: str,
+    out: str,
+    key: str | None,
+    optimizer: bool,
+) -> None:
+    """Write the consolidated model (and optimizer) state of RUN_DIR's checkpoint to OUT.
+
+    The checkpoint is verified (CRC32C) before it is read; without --step the newest
+    committed one (the final artifact of a finished run) is exported.
+    """
+    from ckrun.checkpoint import export as exporter
+
+    try:
+        storage = _open(run_dir)
+        _require_run(storage, run_dir)
+        m = exporter.export(storage, out, format=fmt, step=step, key=key, optimizer=optimizer)
+    except CkrunError as e:
+        _fail(ctx, e)
+        return
+    click.echo(f"exported step {m.step} ({m.kind}) of {run_dir} as {fmt} to {out}")

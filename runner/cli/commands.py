@@ -19,7 +19,13 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from ckrun.config import RunConfig, build_notice_sources, is_local_storage, resolve
+from ckrun.config import (
+    RunConfig,
+    build_notice_sources,
+    check_run_name,
+    is_local_storage,
+    resolve,
+)
 from ckrun.errors import ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
 from ckrun.notices import iso_utc, utcnow
 from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
@@ -41,8 +47,11 @@ def say(msg: str) -> None:
 
 def default_run_name(command: tuple[str, ...]) -> str:
     """``<script stem>-<UTC yyyymmdd-HHMMSS>``: the first ``*.py`` argument, else argv[0]."""
+    import re
+
     script = next((a for a in command if a.endswith(".py")), command[0] if command else "run")
-    stem = os.path.splitext(os.path.basename(script))[0] or "run"
+    stem = os.path.splitext(os.path.basename(script))[0]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).lstrip(".-") or "run"
     return f"{stem}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}"
 
 
@@ -110,20 +119,36 @@ def reconcile(frozen: RunConfig | None, cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def hint(verb: str, name: str, storage: str, *extra: str) -> str:
+    """A command to suggest in a message, with the ``--storage`` that found the run, so
+    it works as pasted from any directory: ``ckrun status r1 --storage /abs/runs``."""
+    return shlex.join(["ckrun", verb, name, *extra, "--storage", storage])
+
+
 def locate(name: str, storage: str | None) -> RunDir:
     """The state directory of run ``name``.
 
     Raises:
+        ConfigError: ``name`` is not a valid run name.
         UsageError: no run of that name exists there.
     """
+    check_run_name(name)
     cfg = _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
     rd = RunDir(cfg.state_root)
     if not rd.exists():
         raise UsageError(
-            f"no run {name!r} under {cfg.storage} (no {rd.run_json}); "
-            "pass --storage DIR where it was submitted"
+            f"no run {name!r} under {cfg.storage} (no {rd.run_json}); pass --storage DIR "
+            f"where it was submitted; `{shlex.join(['ckrun', 'runs', '--storage', cfg.storage])}`"
+            " lists the runs there"
         )
     return rd
+
+
+def run_storage(rd: RunDir) -> str:
+    """The storage base a run was frozen with (for :func:`hint`); the state directory's
+    parent when ``run.json`` does not say."""
+    body = read_json(rd.run_json) or {}
+    return str(body.get("storage") or os.path.dirname(rd.root))
 
 
 def supervise(
@@ -184,9 +209,14 @@ def submit(
     *,
     detach: bool = False,
     dry_run: bool = False,
+    show_config: bool = False,
 ) -> int:
-    """``ckrun submit`` (see the module docstring); returns the exit code."""
-    name = run_name or default_run_name(command)
+    """``ckrun submit`` (see the module docstring); returns the exit code.
+
+    With ``dry_run`` only the job (the sbatch script, the Job YAML, or the local command
+    line) goes to stdout, so it pipes into ``sbatch`` or ``kubectl apply -f -``; the
+    resolved configuration precedes it only with ``show_config``."""
+    name = default_run_name(command) if run_name is None else check_run_name(run_name)
     cfg = _absolute(resolve(profile, cli, run=name, command=command))
     local = cfg.scheduler == "local"
     rundir = _submit_state(cfg)
@@ -206,12 +236,20 @@ def submit(
         options=cfg.options,
         env=env,
         supervisor_args=tuple(args),
+        nnodes=cfg.nnodes,
+        nproc_per_node=cfg.nproc_per_node,
     )
     if dry_run:
         import json
 
-        print(json.dumps(cfg.to_json(), indent=1, default=str))
-        print(sched.render(spec))
+        artifact = sched.render(spec)
+        if show_config:
+            print(json.dumps(cfg.to_json(), indent=1, default=str))
+        print(artifact, flush=True)
+        say(
+            f"dry run of run {name} ({cfg.scheduler}): nothing started"
+            + ("" if show_config else "; --show-config prints the resolved configuration")
+        )
         return 0
     if rundir is None:  # remote storage, no local state dir: the job keeps its own
         job_id = sched.submit(spec)
@@ -222,7 +260,7 @@ def submit(
     if holder is not None:
         raise RunLocked(
             f"run {name!r} is alive: supervisor pid {holder.get('pid')} on "
-            f"{holder.get('host')} holds it; `ckrun status {name}`",
+            f"{holder.get('host')} holds it; `{hint('status', name, cfg.storage)}`",
             holder=holder,
         )
     if os.path.exists(rundir.cancelled_path):
@@ -232,15 +270,25 @@ def submit(
     if local and not detach:
         return supervise(cfg, name, "local", frozen=cfg)
     job_id = sched.submit(spec)
+    files = getattr(sched, "log_files", None)
     write_json_atomic(
         rundir.job_json,
-        {"backend": cfg.scheduler, "job_id": job_id, "submitted_utc": iso_utc(utcnow())},
+        {
+            "backend": cfg.scheduler,
+            "job_id": job_id,
+            "submitted_utc": iso_utc(utcnow()),
+            "log_files": list(files(spec, job_id)) if callable(files) else [],
+        },
     )
     from ckrun.runlog import EventLog
 
     EventLog(rundir.events_path, name).append("submitted", backend=cfg.scheduler, job_id=job_id)
     where = f", log {rundir.log_path}" if local else ""
     say(f"run {name}: submitted to {cfg.scheduler} as job {job_id}{where}")
+    say(
+        f"follow it: `{hint('logs', name, cfg.storage, '-f')}`; "
+        f"`{hint('status', name, cfg.storage)}`"
+    )
     return 0
 
 
@@ -268,6 +316,7 @@ def run(
     scheduler: str | None = None,
 ) -> int:
     """``ckrun run``: the supervisor alone, for run ``run_name``; returns the exit code."""
+    check_run_name(run_name)
     base = _absolute(resolve(profile or "local", cli, run=run_name, command=command))
     rundir = RunDir(base.state_root)
     frozen = rundir.load_config()
@@ -297,8 +346,14 @@ def _signal_holder(holder: dict[str, Any]) -> str:
 
 
 def cancel(name: str, storage: str | None) -> str:
-    """``ckrun cancel``: mark the run cancelled and stop its supervisor or job."""
+    """``ckrun cancel``: mark the run cancelled and stop its supervisor or job.
+
+    A run that is complete (``COMPLETE.json``) is left as it is and the message says so.
+    """
     rd = locate(name, storage)
+    done = _final_step(rd)
+    if done is not None and rd.live_holder() is None:
+        return f"run {name} is complete (final step {done}): nothing to cancel"
     write_json_atomic(
         rd.cancelled_path,
         {"cancelled_utc": iso_utc(utcnow()), "by": f"{socket.gethostname()}:{os.getpid()}"},
@@ -312,6 +367,18 @@ def cancel(name: str, storage: str | None) -> str:
         get_scheduler(str(job["backend"])).cancel(str(job["job_id"]))
         return f"run {name}: {job['backend']} job {job['job_id']} cancelled"
     return f"run {name}: no live supervisor; marked cancelled (a resubmit clears it)"
+
+
+def _final_step(rd: RunDir) -> int | None:
+    """The final step of a complete run (valid ``COMPLETE.json``), else None."""
+    from ckrun.checkpoint.discovery import completion
+    from ckrun.supervisor.preflight import open_run_storage
+
+    cfg = rd.load_config()
+    if cfg is None:
+        return None
+    marker, _problem = completion(open_run_storage(cfg))
+    return None if marker is None else int(marker.final_step)
 
 
 def preempt(name: str, storage: str | None, lead_s: float | None = None) -> str:

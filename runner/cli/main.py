@@ -1,11 +1,12 @@
 """The ``ckrun`` command line (click).  Thin: parsing, then calls into the library.
 
-Forms (issue 3, the contract)::
+Forms (a contract: scripts and docs rely on them)::
 
     ckrun submit train.py [ARGS]...          # .py runs with this Python
     ckrun submit [OPTIONS] -- CMD [ARGS]...
     ckrun run --run NAME [--storage DIR] [--allow-change F] -- CMD...
-    ckrun status NAME [--storage DIR] [--json]
+    ckrun status NAME [--storage DIR] [--json] [--html FILE] [--watch]
+    ckrun runs [--storage DIR] | ckrun logs NAME [-f]
     ckrun cancel NAME | ckrun preempt NAME | ckrun config [--profile P]
     ckrun ls ... | ckrun verify ...          # from ckrun.cli.checkpoints when installed
 
@@ -16,6 +17,7 @@ to its exit code (DESIGN.md §3).  Heavy imports stay lazy: ``ckrun --help`` and
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import sys
@@ -63,8 +65,10 @@ def _cli_values(**kw: Any) -> dict[str, Any]:
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("ckrun.cli.checkpoints", "ls"),
     "verify": ("ckrun.cli.checkpoints", "verify"),
+    "export": ("ckrun.cli.checkpoints", "export"),
     "check-resume": ("ckrun.cli.check_resume", "check_resume"),
-    "export": ("ckrun.cli.export_cmd", "export"),
+    "runs": ("ckrun.cli.runs", "runs"),
+    "logs": ("ckrun.cli.runs", "logs"),
 }
 
 
@@ -108,7 +112,7 @@ _allow_opt = click.option(
 )
 
 
-#: Backend options of ``submit`` (the forms issues 4 and 6 write out): flag, profile key,
+#: Backend options of ``submit`` (a contract, as the forms above): flag, profile key,
 #: type, help.  Each is the same as ``--set KEY=VALUE``; a key the selected backend does
 #: not have is refused by the config with the list of valid keys.
 _BACKEND_OPTIONS: list[tuple[str, str, Any, str]] = [
@@ -130,12 +134,60 @@ def _backend_options(f: Any) -> Any:
     return f
 
 
-@main_group.command(context_settings=_SUBMIT)
+class _SubmitCommand(click.Command):
+    """``submit``: an unknown option before ``--`` is refused (with click's "did you
+    mean" suggestion) instead of going to the script, when a ``--`` marks where the
+    script's arguments start; without ``--`` it goes to the script as before, with a
+    note when it looks like a misspelled ckrun option."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        known = sorted(
+            {
+                o
+                for p in self.params
+                if isinstance(p, click.Option)
+                for o in p.opts + p.secondary_opts
+            }
+        )
+        dashdash = "--" in args
+        before = args[: args.index("--")] if dashdash else args
+        for token in before:
+            if not token.startswith("--") or token == "--":
+                continue
+            name = token.split("=", 1)[0]
+            if name in known:
+                continue
+            if dashdash:
+                close = difflib.get_close_matches(name, known, n=1)
+                raise click.NoSuchOption(name, possibilities=close, ctx=ctx)
+            # without `--` the option is the script's (`train.py --steps 600`): only a
+            # near-exact ckrun option name earns a note
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            if close:
+                click.echo(
+                    f"[ckrun] note: {name} is not a ckrun option and goes to the script "
+                    f"(did you mean {' or '.join(close)}?); put the script's arguments "
+                    "after `--` to have ckrun check its own",
+                    err=True,
+                )
+        return super().parse_args(ctx, args)
+
+
+@main_group.command(cls=_SubmitCommand, context_settings=_SUBMIT)
 @click.option("--profile", default="local", show_default=True, help="Profile name.")
 @click.option("--run", "run_name", default=None, help="Run name [script name + UTC time].")
 @_storage_opt
 @click.option("--detach", is_flag=True, help="Return at once; supervisor output to a log.")
-@click.option("--dry-run", is_flag=True, help="Print the resolved config and job; start nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print only the job (sbatch script, Job YAML, command line) on stdout; start nothing.",
+)
+@click.option(
+    "--show-config",
+    is_flag=True,
+    help="With --dry-run: print the resolved configuration (JSON) before the job.",
+)
 @click.option("--max-requeues", type=int, default=None, help="Preemptions allowed.")
 @click.option("--max-failures", type=int, default=None, help="Failures allowed.")
 @click.option("--grace", default=None, metavar="S", help="Notice → exit limit (seconds).")
@@ -176,6 +228,7 @@ def submit(
     storage: str | None,
     detach: bool,
     dry_run: bool,
+    show_config: bool,
     max_requeues: int | None,
     max_failures: int | None,
     grace: str | None,
@@ -204,7 +257,15 @@ def submit(
     )
     cli.update(_cli_values(**backend))
     return int(
-        launch.submit(profile, cli, _command(args), run_name, detach=detach, dry_run=dry_run)
+        launch.submit(
+            profile,
+            cli,
+            _command(args),
+            run_name,
+            detach=detach,
+            dry_run=dry_run,
+            show_config=show_config,
+        )
     )
 
 
@@ -238,15 +299,33 @@ def run(
 @main_group.command()
 @click.argument("name")
 @_storage_opt
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(name: str, storage: str | None, as_json: bool) -> int:
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (numbers).")
+@click.option(
+    "--html",
+    "html_file",
+    default=None,
+    metavar="FILE",
+    help="Also write the timeline page (self-contained HTML) to FILE.",
+)
+@click.option("--watch", is_flag=True, help="Refresh until the run stops (Ctrl-C to leave).")
+@click.option(
+    "--every", default="2s", show_default=True, metavar="S", help="Refresh period of --watch."
+)
+def status(
+    name: str, storage: str | None, as_json: bool, html_file: str | None, watch: bool, every: str
+) -> int:
     """State, attempts, preemptions, lost work, save time and goodput of run NAME."""
-    import json
-
     from ckrun.cli import status as runstatus
+    from ckrun.config import parse_duration
 
-    summary = runstatus.summarize(runstatus.locate(name, storage))
-    click.echo(json.dumps(summary, indent=1) if as_json else runstatus.render(summary))
+    period = parse_duration(every)
+    if period <= 0:
+        raise click.BadParameter("must be > 0 seconds", param_hint="--every")
+    rd = runstatus.locate(name, storage)
+    if watch:
+        runstatus.watch(rd, period, as_json=as_json, html_file=html_file)
+    else:
+        runstatus.show(rd, as_json=as_json, html_file=html_file)
     return 0
 
 

@@ -26,6 +26,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,10 +203,11 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     """
     from ckrun.checkpoint import discovery, reshard
     from ckrun.checkpoint.env import open_storage_from_env
+    from ckrun.checkpoint.manifest import ManifestKind
     from ckrun.checkpoint.shard_reader import read_shard
 
     storage = open_storage_from_env(run_root)
-    finals = [m for m in discovery.committed(storage) if m.kind == "final"]
+    finals = [m for m in discovery.committed(storage) if m.kind == ManifestKind.FINAL]
     if not finals:
         raise CheckpointError(
             f"{run_root} has no final checkpoint: the run did not complete "
@@ -247,7 +249,10 @@ def _supervise(
     env: Mapping[str, str],
     log_path: str,
     timeout_s: float,
+    progress: Any = None,
 ) -> int:
+    """Run ``ckrun run`` for ``run`` under ``storage``, output to ``log_path``; returns
+    its exit status; ``progress`` as in :func:`_wait_reporting`."""
     argv = [
         sys.executable,
         "-m",
@@ -262,15 +267,71 @@ def _supervise(
     ]
     env = {"CKRUN_MAX_REQUEUES": "1000", **env}
     with open(log_path, "w") as log:
-        p = subprocess.run(
-            argv,
-            env={**os.environ, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=timeout_s,
-            check=False,
-        )
-    return p.returncode
+        p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_reporting(p, os.path.join(storage, run), timeout_s, progress)
+        except BaseException:
+            p.kill()
+            p.wait()
+            raise
+    return int(p.returncode)
+
+
+#: Seconds between two progress lines of a run (a line also comes with every change of
+#: the newest saved step once this much time has passed).
+PROGRESS_EVERY_S = 5.0
+
+
+def run_progress(run_root: str) -> tuple[int | None, int, int]:
+    """(newest step saved, preemptions, attempts) of a run so far, from its event log."""
+    from ckrun.runlog import read_events
+
+    evs = read_events(os.path.join(run_root, "events.jsonl"))
+    saved = [int(e["step"]) for e in evs if e.get("kind") == "save" and "step" in e]
+    return (
+        max(saved) if saved else None,
+        sum(1 for e in evs if e.get("kind") == "preempted"),
+        sum(1 for e in evs if e.get("kind") == "spawn"),
+    )
+
+
+def _wait_reporting(
+    p: subprocess.Popen[bytes], run_root: str, timeout_s: float, progress: Any
+) -> None:
+    """Wait for ``p`` (``subprocess.TimeoutExpired`` after ``timeout_s``), calling
+    ``progress(elapsed_s, step, preemptions, attempts)`` about every
+    :data:`PROGRESS_EVERY_S` seconds while it runs."""
+    t0 = time.monotonic()
+    last = t0
+    while True:
+        try:
+            p.wait(timeout=0.25)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            raise subprocess.TimeoutExpired(p.args, timeout_s)
+        if progress is not None and now - last >= PROGRESS_EVERY_S:
+            last = now
+            progress(now - t0, *run_progress(run_root))
+
+
+def remove_runs(workdir: str, created: bool) -> None:
+    """After a PASS: remove what check-resume wrote (both runs and their logs), and the
+    work directory itself when check-resume created it; a directory the user named is
+    kept (only its two runs and logs go)."""
+    import shutil
+
+    if created:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    for name in (UNINTERRUPTED, INTERRUPTED):
+        shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+        try:
+            os.unlink(os.path.join(workdir, f"{name}.log"))
+        except FileNotFoundError:
+            pass
 
 
 def _preemptions(run_root: str) -> int:
@@ -302,13 +363,34 @@ def check_resume(
     Raises:
         CkrunError: a run failed (its exit status and log path are named).
     """
-    workdir = workdir or tempfile.mkdtemp(prefix="ckrun-check-resume-")
+    created = workdir is None
+    workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="ckrun-check-resume-"))
     os.makedirs(workdir, exist_ok=True)
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
-    echo(f"[ckrun] check-resume: workdir {workdir}, seed {seed}")
+    echo(
+        f"[ckrun] check-resume: work directory {workdir} (removed on PASS, kept on FAIL), "
+        f"seed {seed}"
+    )
     echo(f"[ckrun] check-resume: 1/2 uninterrupted run ({' '.join(command)})")
+
+    def progress(which: str) -> Any:
+        def say(elapsed: float, step: int | None, pre: int, attempts: int) -> None:
+            echo(
+                f"[ckrun] check-resume: {which} {elapsed:.0f} s: newest saved step "
+                f"{'-' if step is None else step}, {pre} preemption(s), {attempts} attempt(s); "
+                f"log {os.path.join(workdir, which + '.log')}"
+            )
+
+        return say
+
     rc = _supervise(
-        UNINTERRUPTED, workdir, command, {}, os.path.join(workdir, "uninterrupted.log"), timeout_s
+        UNINTERRUPTED,
+        workdir,
+        command,
+        {},
+        os.path.join(workdir, "uninterrupted.log"),
+        timeout_s,
+        progress(UNINTERRUPTED),
     )
     if rc != 0:
         raise CkrunError(
@@ -323,7 +405,13 @@ def check_resume(
     )
     env = {"CKRUN_DRILL_AT_CHECKS": ",".join(map(str, drill_counts(steps)))}
     rc = _supervise(
-        INTERRUPTED, workdir, command, env, os.path.join(workdir, "interrupted.log"), timeout_s
+        INTERRUPTED,
+        workdir,
+        command,
+        env,
+        os.path.join(workdir, "interrupted.log"),
+        timeout_s,
+        progress(INTERRUPTED),
     )
     if rc != 0:
         raise CkrunError(
@@ -335,6 +423,13 @@ def check_resume(
     if div is not None and rng:
         div.hint += f" (RNG states that also differ: {', '.join(sorted(set(_rng_names(rng))))})"
     res = CheckResult(div is None, steps, n_pre, compared, div, workdir, seed)
+    if res.passed:
+        remove_runs(workdir, created)
+        res.notes.append(
+            f"removed the work directory {workdir}"
+            if created
+            else f"removed both runs and their logs from {workdir}"
+        )
     if n_pre < k:
         res.notes.append(
             f"only {n_pre} of {k} drills led to a preemption: does the command "

@@ -27,6 +27,7 @@ from ckrun.config.resolve import build_notice_sources, resolve
 from ckrun.config.run import (
     RunConfig,
     backend_options_class,
+    check_run_name,
     cloud_keys,
     common_keys,
     env_name,
@@ -41,6 +42,7 @@ __all__ = [
     "RunConfig",
     "backend_options_class",
     "build_notice_sources",
+    "check_run_name",
     "cloud_keys",
     "common_keys",
     "env_name",

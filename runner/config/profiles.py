@@ -7,6 +7,7 @@ import importlib.resources
 from typing import Any
 
 from ckrun.errors import ConfigError
+from ckrun.options import did_you_mean
 
 __all__ = ["load_profile"]
 
@@ -15,7 +16,8 @@ def load_profile(name: str) -> dict[str, Any]:
     """The flat mapping of profile ``name`` (``ckrun/profiles/<name>.yaml``).
 
     Raises:
-        ConfigError: unknown profile (listing the shipped ones), bad YAML, not a mapping.
+        ConfigError: unknown profile (listing the shipped ones and the closest), bad
+            YAML, not a mapping.
     """
     import yaml
 
@@ -25,7 +27,8 @@ def load_profile(name: str) -> dict[str, Any]:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         shipped = sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
         raise ConfigError(
-            f"unknown profile {name!r}; shipped profiles: {', '.join(shipped)}"
+            f"unknown profile {name!r}{did_you_mean(name, shipped)}; shipped profiles: "
+            f"{', '.join(shipped)}"
         ) from None
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:

@@ -18,6 +18,7 @@ from ckrun.config.run import (
     RunConfig,
     backend_options_class,
     build_options,
+    check_run_name,
     cloud_keys,
     cloud_values,
     common_keys,
@@ -50,10 +51,13 @@ def resolve(
         command: the training command.
 
     Raises:
-        ConfigError: unknown profile or keys (with the valid list), bad values, a
+        ConfigError: unknown profile or keys (with the valid list and the closest
+            one), bad values, an invalid run name (:func:`check_run_name`), a
             ``notice_sources`` name not known.
     """
     env = os.environ if env is None else env
+    if run:
+        check_run_name(run)
     layers: list[tuple[str, dict[str, Any]]] = [("profile:" + profile, load_profile(profile))]
     scheduler = str(layers[0][1].get("scheduler", RunConfig.scheduler))
     backend_keys = [f.name for f in dataclasses.fields(backend_options_class(scheduler))]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckrun.errors import ConfigError
-from ckrun.options import coerce, field_type
+from ckrun.options import coerce, did_you_mean, field_type
 
 #: Keys that are run identity or bookkeeping, not settable from a profile.
 _NOT_PROFILE = {"run", "command", "profile", "options", "sources", "cloud"}
@@ -114,8 +114,8 @@ class RunConfig:
 
         The world size is deliberately not part of it: the checkpoint's own compat
         block carries ``world_size`` and the child's gate lets it change exactly when
-        the checkpoint's format reshards (issue 8: a run preempted on 8 GPUs continues
-        on 4), and refuses it otherwise (exit 4).
+        the checkpoint's format reshards (a run preempted on 8 GPUs continues on 4),
+        and refuses it otherwise (exit 4).
         """
         argv = list(self.command)
         if argv:
@@ -256,12 +256,35 @@ def cloud_values(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: Run names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.`` or ``-``.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+
+
+def check_run_name(name: str) -> str:
+    """``name`` if it is a valid run name: letters, digits and ``._-`` only, not starting
+    with ``.`` or ``-``, at most 200 characters (it becomes a directory and a storage
+    prefix, so no path components: ``../x`` would write outside the storage root).
+
+    Raises:
+        ConfigError: otherwise, naming the rule.
+    """
+    if not _RUN_NAME.match(name):
+        raise ConfigError(
+            f"invalid run name {name!r}: use letters, digits, '.', '_' and '-' only "
+            "(no '/' or spaces, not starting with '.' or '-'), e.g. --run charlm-1"
+        )
+    return name
+
+
 def unknown_keys_message(unknown: list[str], scheduler: str, backend_keys: list[str]) -> str:
-    """The error text for ``unknown`` keys: every valid key, by the class it sets."""
+    """The error text for ``unknown`` keys: the closest valid key of each, then every
+    valid key, by the class it sets."""
     cloud = f", cloud notices [{', '.join(cloud_keys())}]"
     cloud += f", S3 storage [{', '.join(storage_keys())}]"
+    valid = common_keys() + backend_keys + cloud_keys() + storage_keys()
+    hints = "".join(did_you_mean(k, valid) for k in unknown)
     return (
-        f"unknown config key(s) {', '.join(unknown)}; valid keys: common "
+        f"unknown config key(s) {', '.join(unknown)}{hints}; valid keys: common "
         f"[{', '.join(common_keys())}], {scheduler} [{', '.join(backend_keys)}]{cloud}"
     )
 

@@ -59,6 +59,9 @@ class JobSpec:
         options: the backend's frozen ``Options`` instance.
         env: extra environment for the job.
         supervisor_args: extra ``ckrun run`` arguments (``--grace``, ``--max-requeues``...).
+        nnodes: nodes of the job, one supervisor each (``--nnodes``); the k8s backend
+            renders one pod per node.
+        nproc_per_node: processes per node (``--nproc-per-node``).
     """
 
     run: str
@@ -67,6 +70,8 @@ class JobSpec:
     options: Any = None
     env: dict[str, str] = field(default_factory=dict)
     supervisor_args: tuple[str, ...] = ()
+    nnodes: int = 1
+    nproc_per_node: int = 1
 
 
 @dataclass(frozen=True)

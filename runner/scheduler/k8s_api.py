@@ -10,9 +10,13 @@ wire format (camelCase) and tolerates fields newer than the client.  API errors 
 mapped at this boundary onto :class:`~ckrun.errors.SchedulerError` with a message that
 names the fix, chained with ``from``.
 
-REST paths used (Kubernetes API reference, batch/v1 Job and core/v1 Pod):
+REST paths used (Kubernetes API reference, batch/v1 Job, core/v1 Pod and Service, and
+the JobSet CRD):
 ``POST /apis/batch/v1/namespaces/{ns}/jobs``, ``GET|DELETE .../jobs/{name}``,
-``GET /api/v1/namespaces/{ns}/pods?labelSelector=batch.kubernetes.io/job-name={name}``.
+``GET /api/v1/namespaces/{ns}/pods?labelSelector=batch.kubernetes.io/job-name={name}``;
+multi-node: ``POST /api/v1/namespaces/{ns}/services`` (owned by the Job, so deleting
+the Job deletes it), ``POST|GET|DELETE /apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/
+jobsets[/{name}]`` and pods by ``jobset.sigs.k8s.io/jobset-name={name}``.
 """
 
 from __future__ import annotations
@@ -22,11 +26,36 @@ import os
 from typing import Any
 
 from ckrun.errors import SchedulerError
-from ckrun.scheduler.base import JobState
+from ckrun.scheduler.k8s_state import describe, exit_code, group_state, job_state, pod_state
 
 #: Seconds one API call may take (connect, read).
 REQUEST_TIMEOUT_S = (10.0, 30.0)
+__all__ = [
+    "ApiHandle",
+    "JOBSET_NAME_LABEL",
+    "REQUEST_TIMEOUT_S",
+    "create_job",
+    "create_job_uid",
+    "create_jobset",
+    "create_service",
+    "delete_job",
+    "delete_jobset",
+    "list_pods",
+    "map_api_error",
+    "read_job",
+    "read_jobset",
+    # the state mapping (pure, in k8s_state), re-exported for this module's callers
+    "describe",
+    "exit_code",
+    "group_state",
+    "job_state",
+    "pod_state",
+]
+
 _JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+#: JobSet's label on its pods.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+_JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 
 
 class ApiHandle:
@@ -71,6 +100,7 @@ class ApiHandle:
         self.client: Any = client.ApiClient(cfg)
         self.batch: Any = client.BatchV1Api(self.client)
         self.core: Any = client.CoreV1Api(self.client)
+        self.custom: Any = client.CustomObjectsApi(self.client)
         import urllib3
 
         #: what a failed call raises: API errors (``.status``) and transport errors.
@@ -121,6 +151,19 @@ def _is_status(exc: BaseException, code: int) -> bool:
     return getattr(exc, "status", None) == code
 
 
+def _exists_error(doc: dict[str, Any], exc: BaseException) -> SchedulerError:
+    meta = doc["metadata"]
+    ns, name, kind = meta["namespace"], meta["name"], doc.get("kind", "Job")
+    ref = f"{ns}/jobset/{name}" if kind == "JobSet" else f"{ns}/{name}"
+    return SchedulerError(
+        f"a {kind} named {name!r} already exists in namespace {ns!r}: run "
+        f"{meta['annotations'].get('ckrun/run', name)!r} was submitted "
+        "before.  It requeues itself after a preemption, so there is nothing to "
+        f"resubmit; to start it again: ckrun cancel {ref} (or kubectl delete "
+        f"{kind.lower()} {name} -n {ns}) and submit again, or choose another --run name"
+    )
+
+
 def create_job(api: ApiHandle, doc: dict[str, Any]) -> str:
     """Create the Job ``doc``; return ``"namespace/name"``.
 
@@ -128,20 +171,112 @@ def create_job(api: ApiHandle, doc: dict[str, Any]) -> str:
         SchedulerError: 409 (a Job of that name exists; the message says how to resume
             or start over), 401/403 (RBAC), unreachable server, or any other API error.
     """
+    return create_job_uid(api, doc)[0]
+
+
+def create_job_uid(api: ApiHandle, doc: dict[str, Any]) -> tuple[str, str]:
+    """:func:`create_job`, also returning the created Job's ``metadata.uid``."""
     ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
     try:  # a plain dict: every client version serializes it as it is
-        api.batch.create_namespaced_job(ns, doc, _request_timeout=REQUEST_TIMEOUT_S)
+        created = api.batch.create_namespaced_job(ns, doc, _request_timeout=REQUEST_TIMEOUT_S)
+    except api.errors as exc:
+        if _is_status(exc, 409):
+            raise _exists_error(doc, exc) from exc
+        raise map_api_error(exc, what=f"create Job {ns}/{name}", host=api.host) from exc
+    uid = getattr(getattr(created, "metadata", None), "uid", None) or ""
+    return f"{ns}/{name}", str(uid)
+
+
+def create_service(api: ApiHandle, doc: dict[str, Any], owner_uid: str) -> None:
+    """Create the headless Service ``doc``, owned by the Job of the same name.
+
+    The owner reference (the Job's ``uid``) makes the garbage collector delete the
+    Service with the Job (cancel, ``ttlSecondsAfterFinished``).
+
+    Raises:
+        SchedulerError: any API error (409: a Service of that name exists).
+    """
+    meta = doc["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    body = dict(doc, metadata=dict(meta))
+    if owner_uid:
+        body["metadata"]["ownerReferences"] = [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": owner_uid}
+        ]
+    try:
+        api.core.create_namespaced_service(ns, body, _request_timeout=REQUEST_TIMEOUT_S)
     except api.errors as exc:
         if _is_status(exc, 409):
             raise SchedulerError(
-                f"a Job named {name!r} already exists in namespace {ns!r}: run "
-                f"{doc['metadata']['annotations'].get('ckrun/run', name)!r} was submitted "
-                "before.  It requeues itself after a preemption, so there is nothing to "
-                f"resubmit; to start it again: ckrun cancel {ns}/{name} (or kubectl delete "
-                f"job {name} -n {ns}) and submit again, or choose another --run name"
+                f"a Service named {name!r} already exists in namespace {ns!r} (left by an "
+                f"earlier `kubectl create` of this run?): kubectl delete service {name} "
+                f"-n {ns}, then submit again"
             ) from exc
-        raise map_api_error(exc, what=f"create Job {ns}/{name}", host=api.host) from exc
-    return f"{ns}/{name}"
+        raise map_api_error(exc, what=f"create Service {ns}/{name}", host=api.host) from exc
+
+
+def create_jobset(api: ApiHandle, doc: dict[str, Any]) -> str:
+    """Create the JobSet ``doc``; return ``"namespace/jobset/name"``.
+
+    Raises:
+        SchedulerError: 409, 404 (JobSet is not installed: the message says so), RBAC,
+            unreachable server, or any other API error.
+    """
+    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+    group, version, plural = _JOBSET
+    try:
+        api.custom.create_namespaced_custom_object(
+            group, version, ns, plural, doc, _request_timeout=REQUEST_TIMEOUT_S
+        )
+    except api.errors as exc:
+        if _is_status(exc, 409):
+            raise _exists_error(doc, exc) from exc
+        if _is_status(exc, 404):
+            raise SchedulerError(
+                f"cannot create JobSet {ns}/{name}: the cluster has no {group}/{version} "
+                "API; install JobSet v0.10+ (https://jobset.sigs.k8s.io) or drop "
+                "k8s_kind=jobset (an Indexed Job and a headless Service need nothing extra)"
+            ) from exc
+        raise map_api_error(exc, what=f"create JobSet {ns}/{name}", host=api.host) from exc
+    return f"{ns}/jobset/{name}"
+
+
+def read_jobset(api: ApiHandle, ns: str, name: str) -> dict[str, Any] | None:
+    """The JobSet as wire JSON, or None when it does not exist (404)."""
+    group, version, plural = _JOBSET
+    try:
+        resp = api.custom.get_namespaced_custom_object(
+            group, version, ns, plural, name, _request_timeout=REQUEST_TIMEOUT_S
+        )
+    except api.errors as exc:
+        if _is_status(exc, 404):
+            return None
+        raise map_api_error(exc, what=f"read JobSet {ns}/{name}", host=api.host) from exc
+    return dict(resp)
+
+
+def delete_jobset(api: ApiHandle, ns: str, name: str) -> bool:
+    """Delete the JobSet, its Jobs, Service and pods (foreground); idempotent.
+
+    Returns:
+        True when a JobSet was deleted, False when none existed (404).
+    """
+    group, version, plural = _JOBSET
+    try:
+        api.custom.delete_namespaced_custom_object(
+            group,
+            version,
+            ns,
+            plural,
+            name,
+            propagation_policy="Foreground",
+            _request_timeout=REQUEST_TIMEOUT_S,
+        )
+    except api.errors as exc:
+        if _is_status(exc, 404):
+            return False
+        raise map_api_error(exc, what=f"delete JobSet {ns}/{name}", host=api.host) from exc
+    return True
 
 
 def read_job(api: ApiHandle, ns: str, name: str) -> dict[str, Any] | None:
@@ -158,12 +293,14 @@ def read_job(api: ApiHandle, ns: str, name: str) -> dict[str, Any] | None:
     return job
 
 
-def list_pods(api: ApiHandle, ns: str, name: str) -> list[dict[str, Any]]:
-    """The Job's pods (label ``batch.kubernetes.io/job-name``) as wire JSON, oldest first."""
+def list_pods(
+    api: ApiHandle, ns: str, name: str, label: str = _JOB_NAME_LABEL
+) -> list[dict[str, Any]]:
+    """The pods labelled ``label=name`` (default: the Job's pods) as wire JSON, oldest first."""
     try:
         resp = api.core.list_namespaced_pod(
             ns,
-            label_selector=f"{_JOB_NAME_LABEL}={name}",
+            label_selector=f"{label}={name}",
             _preload_content=False,
             _request_timeout=REQUEST_TIMEOUT_S,
         )
@@ -188,99 +325,3 @@ def delete_job(api: ApiHandle, ns: str, name: str) -> bool:
             return False
         raise map_api_error(exc, what=f"delete Job {ns}/{name}", host=api.host) from exc
     return True
-
-
-def _true_conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    conds = (obj.get("status") or {}).get("conditions") or []
-    return {c["type"]: c for c in conds if c.get("status") == "True" and "type" in c}
-
-
-def exit_code(pod: dict[str, Any], container: str = "ckrun") -> int | None:
-    """Exit code of ``container`` in ``pod`` once it has terminated, else None."""
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        if cs.get("name") == container:
-            term = (cs.get("state") or {}).get("terminated") or {}
-            code = term.get("exitCode")
-            return int(code) if code is not None else None
-    return None
-
-
-def pod_state(pod: dict[str, Any], requeue_codes: tuple[int, ...]) -> JobState:
-    """What one pod says about the run (pods listed oldest first; the newest decides)."""
-    phase = (pod.get("status") or {}).get("phase") or "Pending"
-    disrupted = "DisruptionTarget" in _true_conditions(pod)
-    terminating = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
-    if phase in ("Pending", "Running") and (disrupted or terminating):
-        return JobState.PREEMPTED  # SIGTERM sent: checkpointing within the grace period
-    if phase == "Running":
-        return JobState.RUNNING
-    if phase == "Succeeded":
-        return JobState.COMPLETED
-    if phase == "Failed":
-        if disrupted or exit_code(pod) in requeue_codes:
-            return JobState.REQUEUED  # podFailurePolicy Ignore: a new pod follows
-        return JobState.PENDING  # a counted failure; the controller retries after backoff
-    return JobState.PENDING
-
-
-def job_state(
-    job: dict[str, Any] | None, pods: list[dict[str, Any]], requeue_codes: tuple[int, ...]
-) -> JobState:
-    """Map a Job and its pods (wire JSON) onto a :class:`JobState`.
-
-    Job conditions decide once the Job has finished (``Complete``/``SuccessCriteriaMet``
-    → COMPLETED; ``Failed``/``FailureTarget`` → FAILED, or TIMEOUT for
-    ``DeadlineExceeded``); a Job being deleted is CANCELLED; otherwise the newest pod
-    decides (:func:`pod_state`).  A missing Job (None) is UNKNOWN.
-    """
-    if job is None:
-        return JobState.UNKNOWN
-    if (job.get("metadata") or {}).get("deletionTimestamp"):
-        return JobState.CANCELLED
-    conds = _true_conditions(job)
-    if "Complete" in conds or "SuccessCriteriaMet" in conds:
-        return JobState.COMPLETED
-    for kind in ("Failed", "FailureTarget"):
-        if kind in conds:
-            deadline = conds[kind].get("reason") == "DeadlineExceeded"
-            return JobState.TIMEOUT if deadline else JobState.FAILED
-    if "Suspended" in conds or not pods:
-        return JobState.PENDING
-    return pod_state(pods[-1], requeue_codes)
-
-
-def describe(
-    job: dict[str, Any] | None, pods: list[dict[str, Any]], requeue_codes: tuple[int, ...]
-) -> dict[str, Any]:
-    """A JSON-ready summary for ``ckrun status``: Job counters and conditions, pod phases.
-
-    Returns:
-        ``{"found", "state", "active", "succeeded", "failed", "conditions": [..],
-        "pods": [{"name", "phase", "exit_code", "reason", "node", "disrupted"}]}``.
-    """
-    status = (job or {}).get("status") or {}
-    out: dict[str, Any] = {
-        "found": job is not None,
-        "state": job_state(job, pods, requeue_codes).value,
-        "active": status.get("active", 0),
-        "succeeded": status.get("succeeded", 0),
-        "failed": status.get("failed", 0),
-        "conditions": [
-            f"{t}: {c.get('reason', '')}".rstrip(": ")
-            for t, c in _true_conditions(job or {}).items()
-        ],
-        "pods": [],
-    }
-    for pod in pods:
-        pst = pod.get("status") or {}
-        out["pods"].append(
-            {
-                "name": (pod.get("metadata") or {}).get("name", ""),
-                "phase": pst.get("phase", "Pending"),
-                "exit_code": exit_code(pod),
-                "reason": pst.get("reason", ""),
-                "node": (pod.get("spec") or {}).get("nodeName", ""),
-                "disrupted": "DisruptionTarget" in _true_conditions(pod),
-            }
-        )
-    return out

@@ -357,12 +357,21 @@ def dump_yaml(doc: dict[str, Any]) -> str:
     return text
 
 
-def render_yaml(doc: dict[str, Any], run: str) -> str:
-    """YAML text of ``doc`` with a header naming the run and the Kubernetes versions."""
+def render_yaml(doc: dict[str, Any] | list[dict[str, Any]], run: str) -> str:
+    """YAML text of ``doc`` with a header naming the run and the Kubernetes versions.
+
+    A list (``K8sScheduler.manifests``: a multi-node run's Service and Job, or its
+    JobSet) becomes one YAML stream, documents separated by ``---``, in creation order.
+    """
+    docs = doc if isinstance(doc, list) else [doc]
+    kinds = " + ".join(str(d.get("kind", "?")) for d in docs)
+    what = "Job" if kinds == "Job" else kinds
     header = (
-        f"# ckrun Job for run {run!r}, rendered from k8s/job.yaml.  Submit with\n"
+        f"# ckrun {what} for run {run!r}, rendered from k8s/job.yaml.  Submit with\n"
         "#   kubectl create -f THIS_FILE   (or: ckrun submit ... without --dry-run)\n"
         f"# min_kubernetes_version: {MIN_KUBERNETES_VERSION} (valid for the 1.29-1.37 "
         "schemas; <= 1.28 rejects\n#   podFailurePolicy rules without onPodConditions)\n"
     )
-    return header + dump_yaml(doc)
+    if any(d.get("kind") == "JobSet" for d in docs):
+        header += "# needs JobSet v0.10+ installed in the cluster (jobset.x-k8s.io/v1alpha2)\n"
+    return header + "---\n".join(dump_yaml(d) for d in docs)

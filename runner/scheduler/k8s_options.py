@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from ckrun.errors import ConfigError
 from ckrun.options import coerce_fields
 
+#: Values of ``k8s_kind``.
+KINDS = ("job", "jobset")
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 #: ``[prefix/]name`` label key (prefix: DNS subdomain; name: <= 63 characters).
 _LABEL_KEY = re.compile(
@@ -62,6 +64,13 @@ class Options:
         kubeconfig: kubeconfig file for submit/status/cancel; empty: ``$KUBECONFIG``,
             ``~/.kube/config``, then the in-cluster service account.
         context: kubeconfig context; empty: the current context.
+        k8s_kind: what a run of ``--nnodes N`` > 1 is rendered as: ``job`` (an Indexed
+            ``batch/v1`` Job plus a headless Service; any Kubernetes 1.29+) or ``jobset``
+            (a ``jobset.x-k8s.io/v1alpha2`` JobSet, JobSet v0.10+ installed): see
+            :mod:`ckrun.scheduler.k8s_group` for which mechanism restarts the group.
+        rdzv_port: TCP port of torchrun's c10d rendezvous store on index 0's pod.
+        rdzv_timeout_s: seconds torchrun waits for every node of the group to join the
+            rendezvous (``join_timeout``): the slowest pod's scheduling and image pull.
     """
 
     image: str = ""
@@ -87,6 +96,9 @@ class Options:
     ckrun_command: tuple[str, ...] = ("ckrun",)
     kubeconfig: str = ""
     context: str = ""
+    k8s_kind: str = "job"
+    rdzv_port: int = 29500
+    rdzv_timeout_s: int = 900
 
     def __post_init__(self) -> None:
         """Normalise YAML lists to tuples and check every value.
@@ -116,6 +128,15 @@ class Options:
             )
         if not self.ckrun_command:
             raise ConfigError("ckrun_command is empty: set it to the argv of ckrun, ['ckrun']")
+        if self.k8s_kind not in KINDS:
+            raise ConfigError(
+                f"k8s_kind={self.k8s_kind!r}: use 'job' (an Indexed Job and a headless "
+                "Service, any Kubernetes 1.29+) or 'jobset' (needs JobSet v0.10+ installed)"
+            )
+        _check_int("rdzv_port", self.rdzv_port, 1)
+        if self.rdzv_port > 65535:
+            raise ConfigError(f"rdzv_port must be a TCP port (1-65535), got {self.rdzv_port}")
+        _check_int("rdzv_timeout_s", self.rdzv_timeout_s, 1)
         if not self.pvc_mount_path.startswith("/"):
             raise ConfigError(f"pvc_mount_path={self.pvc_mount_path!r} must be absolute")
 

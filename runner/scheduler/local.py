@@ -6,11 +6,13 @@ supervisor in-process instead.  ``requeue`` answers ``RESTART_HERE``: the superv
 starts the next attempt itself.
 
 ``chaos_preempt_every`` (profile key, CLI ``--chaos-preempt-every 20s``) delivers a drill
-notice every N seconds of child runtime, a one-command demonstration of the resume path.
+notice every N seconds of the child's training (counted from its first training step), a
+one-command demonstration of the resume path.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import signal
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from ckrun.errors import SchedulerError
 from ckrun.notices import DRILL, Notice, NoticeSource
 from ckrun.scheduler.base import JobInfo, JobSpec, JobState, RequeueOutcome
+
+log = logging.getLogger(__name__)
 
 #: A drill notice's own lead time, seconds; the supervisor caps it by ``grace_s``.
 CHAOS_LEAD_S = 3600.0
@@ -82,10 +86,22 @@ class Options:
 
 
 class ChaosSource:
-    """A :class:`NoticeSource` that emits one drill notice per ``every_s`` of child runtime.
+    """A :class:`NoticeSource` that emits one drill notice per ``every_s`` of training.
 
-    The supervisor calls :meth:`attempt_started` when it spawns a child; the clock is
-    ``time.monotonic``.
+    The interval counts from the child's first training step (the ``training.json`` the
+    child writes, :func:`ckrun.control.mark_training`), not from its spawn: start-up
+    (interpreter, imports, restore) is not part of it, so every attempt gets ``every_s``
+    of training.  A child that never reports a training start (it uses neither
+    ``Checkpointer.load`` nor ``preemption_requested``, so it could not act on a notice)
+    is not drilled.  Without a control directory (``attempt_started()`` called bare) the
+    interval counts from the spawn.
+
+    When the history of the run (``events.jsonl`` next to the control directory) shows a
+    start-up plus save longer than ``every_s``, a warning says that attempts spend more
+    time starting and saving than training.
+
+    The supervisor calls :meth:`attempt_started` when it spawns a child; clocks are
+    ``time.monotonic`` (spawn) and the wall clock (the child's training stamp).
     """
 
     name = "chaos"
@@ -94,21 +110,81 @@ class ChaosSource:
         self.every_s = every_s
         self.interval_s = min(0.1, every_s)
         self._started: float | None = None
+        self._cdir: str | None = None
+        self.warning: str | None = None
 
-    def attempt_started(self, now: float | None = None) -> None:
-        """Arm the timer for a new attempt (``now`` in monotonic seconds)."""
+    def attempt_started(self, now: float | None = None, control_dir: str | None = None) -> None:
+        """Arm the timer for a new attempt (``now`` in monotonic seconds; ``control_dir``
+        the child's ``CKRUN_CONTROL_DIR``)."""
         self._started = time.monotonic() if now is None else now
+        self._cdir = control_dir
+        if control_dir is not None:
+            self.warning = slow_start_warning(self.every_s, control_dir)
+            if self.warning:
+                log.warning("%s", self.warning)
 
     def poll(self) -> Notice | None:
-        """A drill notice once the child has run ``every_s`` seconds, else None."""
-        if self._started is None or time.monotonic() - self._started < self.every_s:
+        """A drill notice once the child has trained ``every_s`` seconds, else None."""
+        if self._started is None:
             return None
+        if self._cdir is None:
+            if time.monotonic() - self._started < self.every_s:
+                return None
+        else:
+            from ckrun.control import training_started
+
+            t0 = training_started(self._cdir)
+            if t0 is None or time.time() - t0 < self.every_s:
+                return None
         self._started = None
         return Notice.with_lead(DRILL, "chaos", CHAOS_LEAD_S, {"every_s": self.every_s})
 
     def close(self) -> None:
         """Nothing to release."""
         self._started = None
+
+
+def measured_start_and_save(events_path: str) -> tuple[float | None, float | None]:
+    """(start-up, save) seconds measured in a run's event log: the longest time from an
+    attempt's ``spawn`` to its training start (``restore``/``train_start`` event), and
+    the longest ``save`` stall; None where nothing was measured."""
+    from ckrun.notices import parse_utc
+    from ckrun.runlog import read_events
+
+    spawn: dict[int, float] = {}
+    starts: list[float] = []
+    saves: list[float] = []
+    for ev in read_events(events_path):
+        try:
+            a, kind, t = int(ev.get("attempt", 0)), ev.get("kind"), ev.get("utc")
+            when = parse_utc(str(t)).timestamp()
+        except (TypeError, ValueError):
+            continue
+        if kind == "spawn":
+            spawn[a] = when
+        elif kind in ("restore", "train_start") and a in spawn:
+            starts.append(when - spawn.pop(a))
+        elif kind == "save" and isinstance(ev.get("seconds"), (int, float)):
+            saves.append(float(ev["seconds"]))
+    return (max(starts) if starts else None), (max(saves) if saves else None)
+
+
+def slow_start_warning(every_s: float, control_dir: str) -> str | None:
+    """The warning of :class:`ChaosSource` (None when the interval is long enough)."""
+    root = os.path.normpath(control_dir)
+    if os.path.basename(root).startswith("rank"):
+        root = os.path.dirname(root)
+    start, save = measured_start_and_save(os.path.join(os.path.dirname(root), "events.jsonl"))
+    if start is None:
+        return None
+    cost = start + (save or 0.0)
+    if every_s >= cost:
+        return None
+    return (
+        f"chaos_preempt_every {every_s:g} s is shorter than the measured start-up "
+        f"{start:.1f} s + save {save or 0.0:.1f} s: each attempt spends more time starting "
+        f"and saving than training; use --chaos-preempt-every {max(1, round(2 * cost))}s or more"
+    )
 
 
 class LocalScheduler:
@@ -157,6 +233,12 @@ class LocalScheduler:
         except OSError as e:
             raise SchedulerError(f"cannot start the local supervisor: {e}") from e
         return str(pid)
+
+    def log_files(self, spec: JobSpec, job_id: str) -> list[str]:
+        """The detached supervisor's log (its output and its child's)."""
+        return [
+            spec.env.get("CKRUN_SUPERVISOR_LOG") or os.path.join(spec.storage, "supervisor.log")
+        ]
 
     def status(self, job_id: str) -> JobState:
         """RUNNING while the supervisor pid exists, else UNKNOWN (see ``ckrun status``)."""

@@ -182,6 +182,12 @@ class SlurmScheduler:
             ) from exc
         return str(job.job_id)
 
+    def log_files(self, spec: JobSpec, job_id: str) -> list[str]:
+        """Where the job's output goes: submitit's ``<log_dir>/<job>_0_log.out`` and
+        ``.err`` (task 0: the node-rank-0 supervisor and its training process)."""
+        folder = os.path.abspath(self._opts(spec).log_dir)
+        return [os.path.join(folder, f"{job_id}_0_log.{x}") for x in ("out", "err")]
+
     # -- queries -----------------------------------------------------------------------
 
     def _run(

@@ -37,9 +37,9 @@ from ckrun.errors import (
 from ckrun.storage.base import ObjectInfo, validate_key
 from ckrun.storage.progress import Progress
 from ckrun.storage.s3_options import MiB, S3Options
+from ckrun.storage.s3_read import ResumableReader, download_verified
 from ckrun.storage.s3_transfer import (
     CRC_META,
-    CheckedReader,
     RateLimiter,
     S3Writer,
     make_client,
@@ -163,12 +163,36 @@ class S3Storage:
         return int.from_bytes(base64.b64decode(value), "big")
 
     def open_read(self, key: str) -> IO[bytes]:
-        """Stream ``key``; the CRC32C is checked when the end is read."""
+        """Stream ``key``: a dropped connection resumes with a ranged GET of the same
+        ETag; the CRC32C is checked when the end is read (:mod:`.s3_read`).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+            CorruptObject: (while reading) the bytes do not match the object's CRC32C.
+            StorageError: (while reading) the stream kept failing after
+                ``s3_max_attempts`` resumed reads.
+        """
         import io
 
         resp = self.call("get_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
-        raw = CheckedReader(resp["Body"], key, self._expected_crc(resp))
+        raw = ResumableReader(
+            self._client,
+            self.bucket,
+            self.object_key(key),
+            key,
+            resp,
+            self._expected_crc(resp),
+            self.options.s3_max_attempts,
+            lambda e: map_s3_error(
+                e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
+            ),
+        )
         return io.BufferedReader(raw, buffer_size=1 * MiB)
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint URL the client talks to."""
+        return str(self._client.meta.endpoint_url)
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` from ``offset`` of ``key`` with one ranged ``GetObject`` (see
@@ -219,29 +243,34 @@ class S3Storage:
                 ) from exc
 
     def get_file(self, key: str, path: str) -> None:
-        """Download ``key`` to ``path``: temp file, CRC32C check, fsync, atomic rename."""
-        d = os.path.dirname(os.path.abspath(path))
-        tmp = os.path.join(d, f".ckrun-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        """Download ``key`` to ``path``: temp file, CRC32C check, fsync, atomic rename.
+
+        s3transfer's downloader (:func:`ckrun.storage.s3_read.download_file`): ranged
+        GETs of ``s3_multipart_chunk_bytes``, ``s3_max_concurrency`` in flight, the ETag
+        pinned, dropped streams retried (``s3_max_attempts``).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+            CorruptObject: the downloaded bytes do not match the object's CRC32C.
+            StorageError: the download failed after its retries; ``path`` is untouched.
+        """
+        head = self.call("head_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
         try:
-            os.makedirs(d, exist_ok=True)
-            info = self.head(key)
-            bar = Progress(f"download {key}", info.size_bytes if info else 0)
-            with self.open_read(key) as src, open(tmp, "wb") as dst, bar:
-                while True:
-                    buf = src.read(self.options.multipart_chunk_bytes)
-                    if not buf:
-                        break
-                    self.limiter.acquire(len(buf))
-                    dst.write(buf)
-                    bar.update(len(buf))
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(tmp, path)
+            download_verified(
+                self._client,
+                self.bucket,
+                self.object_key(key),
+                path,
+                key=key,
+                size=int(head["ContentLength"]),
+                expected_crc=self._expected_crc(head),
+                options=self.options,
+                mapper=lambda e: map_s3_error(
+                    e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
+                ),
+            )
         except OSError as exc:
             raise map_os_error(exc, path=path) from exc
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     def crc32c(self, key: str) -> int | None:
         """The object's full CRC32C as S3 (or ckrun's metadata) records it; None if unknown.

@@ -28,7 +28,8 @@ class S3Options:
         s3_max_attempts: total attempts per request, first included.
         s3_multipart_threshold_bytes: objects larger than this use multipart uploads.
         s3_multipart_chunk_bytes: part size (S3's minimum: 5 MiB; at most 10 000 parts).
-        s3_max_concurrency: parts (and ranged GETs) in flight per object.
+        s3_max_concurrency: parts in flight per object upload, and ranged GETs in flight
+            per ``get_file`` download (s3transfer).
         s3_bandwidth_bytes_per_s: cap on upload + download bytes/s (0: no cap).
         s3_timeout_s: connect and read timeout per request, seconds.
     """

@@ -113,6 +113,12 @@ class S3Writer:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         """Append ``data``; uploads full parts as the buffer fills.
 
+        Host memory is bounded whatever the size of ``data`` (a whole 2 GiB tensor
+        included): ``data`` is consumed one part at a time, so the writer holds at most
+        ``max(multipart_threshold_bytes, multipart_chunk_bytes)`` of buffer plus
+        ``max_concurrency + 1`` parts being uploaded or copied
+        (:attr:`max_buffered_bytes`).
+
         Raises:
             StorageError: a part upload failed (the upload is aborted first).
         """
@@ -121,22 +127,42 @@ class S3Writer:
         mv = memoryview(data).cast("B")
         n = len(mv)
         self.crc = crc32c.crc32c(mv, self.crc)
-        self._buf += mv
         self.bytes_written += n
         opts = self._s.options
-        if self._upload_id is None and len(self._buf) <= opts.multipart_threshold_bytes:
-            return n
-        chunk, off = opts.multipart_chunk_bytes, 0
+        threshold, chunk = opts.multipart_threshold_bytes, opts.multipart_chunk_bytes
+        off = 0
         try:
-            with memoryview(self._buf) as view:  # one copy per part, into its bytes
-                while len(view) - off >= chunk:
-                    self._submit(bytes(view[off : off + chunk]))
+            while off < n:
+                left = n - off
+                if self._upload_id is None and len(self._buf) + left <= threshold:
+                    self._buf += mv[off:]  # may still become a single PutObject
+                    break
+                while len(self._buf) >= chunk:  # a buffer from below the threshold
+                    self._submit(bytes(memoryview(self._buf)[:chunk]))
+                    del self._buf[:chunk]
+                if not self._buf and left >= chunk:  # a whole part straight from data
+                    self._submit(bytes(mv[off : off + chunk]))
                     off += chunk
-            del self._buf[:off]  # O(1) in CPython: the bytearray moves its start
+                    continue
+                take = min(left, chunk - len(self._buf))
+                self._buf += mv[off : off + take]
+                off += take
+                if len(self._buf) == chunk:
+                    self._submit(bytes(self._buf))
+                    self._buf = bytearray()
         except BaseException:
             self.abort()
             raise
         return n
+
+    @property
+    def max_buffered_bytes(self) -> int:
+        """Upper bound of the host memory this writer holds, bytes (see :meth:`write`)."""
+        o = self._s.options
+        return (
+            max(o.multipart_threshold_bytes, o.multipart_chunk_bytes)
+            + (o.max_concurrency + 1) * o.multipart_chunk_bytes
+        )
 
     def _submit(self, part: bytes) -> None:
         s = self._s

@@ -10,12 +10,16 @@ Each round it
 
 1. drains the recorded signals: SIGTERM and the notice signal (default USR1) become
    notices, INT/HUP/QUIT are forwarded to the child's group, USR2 and CHLD only wake;
-2. takes ``ckrun preempt`` / ``ckrun cancel`` requests from ``control/``;
+2. takes ``ckrun preempt`` / ``ckrun cancel`` requests from ``control/``, and a peer
+   notice (``peer-notice.json``: the child's ranks agreed to stop for a notice that
+   reached another node of a multi-node job, :func:`ckrun.control.write_peer_notice`),
+   which drains this node like a notice of its own, without a restart in place;
 3. polls the notice sources (scheduler's, cloud, chaos);
 4. reaps with ``waitpid(-1, WNOHANG)`` (it alone waits: orphans adopted in subreaper
    mode are reaped too); the attempt ends when the child is reaped *and* no process of
    its session is left, then the newest commit in storage is read (the supervisor checks
-   the checkpoint itself, not the child's word);
+   the checkpoint itself, not the child's word).  A peer notice left before the child's
+   end is taken first, so the exit is judged as a drain's;
 5. feeds a ``Tick`` (deadlines, backoff).
 
 Stray processes left in the session after the direct child exited without a notice get
@@ -185,7 +189,7 @@ class Supervisor:
             while True:
                 while self._queue:
                     self._feed(self._queue.popleft())
-                if self.state.exit_code is not None:
+                if self.state.terminal:
                     break
                 self._round()
         finally:
@@ -208,6 +212,7 @@ class Supervisor:
         while self._signals:
             self._on_signal(self._signals.popleft(), now)
         self._requests(now)
+        self._peer_notice(now)
         for src in self.sources:
             n = src.poll()
             if n is not None:  # a cloud/scheduler notice means this machine goes away
@@ -253,6 +258,14 @@ class Supervisor:
             n = Notice.with_lead(TERMINATION, "cli:cancel", self.cfg.grace_s)
             self._queue.append(self._notice_event(n, now, cancel=True))
 
+    def _peer_notice(self, now: float) -> None:
+        """Drain on a peer notice.  Not ``self_term``: this machine stays; the scheduler
+        decides (Kubernetes, Slurm: requeued, exit 75; the local backend restarts here)."""
+        body = control.take_peer_notice(self.rundir.control_dir)
+        if body is not None:
+            n = Notice.with_lead(PREEMPTION, "peer:agreed-step", self.cfg.grace_s, body)
+            self._queue.append(self._notice_event(n, now))
+
     def _reap(self, now: float) -> None:
         reaped = process.reap()
         c = self.child
@@ -269,6 +282,7 @@ class Supervisor:
         if process.session_alive(c):
             self._strays(c, now)
             return
+        self._peer_notice(now)  # a peer notice left before the end is judged first
         self.child = None
         self._strays_term_at = self._strays_kill_at = None
         from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
@@ -388,7 +402,7 @@ class Supervisor:
         for src in self.sources:
             hook = getattr(src, "attempt_started", None)
             if hook is not None:
-                hook()
+                hook(control_dir=self.rundir.control_dir)
         self.events.append("spawn", pid=self.child.pid, command=list(self.cfg.command))
         return None
 
@@ -409,13 +423,15 @@ class Supervisor:
     def _requeue(self) -> sm.Event:
         now = time.monotonic()
         if self.job is None:
-            return sm.Requeued("failed", "not inside a job of this scheduler", now)
+            return sm.Requeued(sm.RequeueResult.FAILED, "not inside a job of this scheduler", now)
         try:
             out = self.scheduler.requeue(self.job)
         except CkrunError as e:
-            return sm.Requeued("failed", str(e), now)
-        kind = "restart_here" if out == RequeueOutcome.RESTART_HERE else "requeued"
-        return sm.Requeued(kind, "", now)
+            return sm.Requeued(sm.RequeueResult.FAILED, str(e), now)
+        restart = out == RequeueOutcome.RESTART_HERE
+        return sm.Requeued(
+            sm.RequeueResult.RESTART_HERE if restart else sm.RequeueResult.REQUEUED, "", now
+        )
 
     def _prior_attempts(self) -> int:
         """Attempts already made in this run (events and manifests), so ids never repeat."""

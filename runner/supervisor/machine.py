@@ -47,8 +47,10 @@ from ckrun.supervisor.messages import (  # re-exported: the machine's vocabulary
     Log,
     NoticeEvent,
     Preflighted,
+    PreflightOutcome,
     Requeue,
     Requeued,
+    RequeueResult,
     RunPreflight,
     SignalGroup,
     Spawn,
@@ -126,6 +128,13 @@ class State:
     exit_code: int | None = None
     why: str = ""
 
+    @property
+    def terminal(self) -> bool:
+        """The run is over for this supervisor: a phase of :data:`TERMINAL`, or the exit
+        code decided (a PREEMPTED run the scheduler requeued).  The machine ignores
+        every later event and the loop returns :attr:`exit_code`."""
+        return self.phase in TERMINAL or self.exit_code is not None
+
 
 Result = tuple["State", list[Action]]
 
@@ -135,6 +144,7 @@ __all__ = [
     "State",
     "TERMINAL",
     "step",
+    "PreflightOutcome",
     "Preflighted",
     "SpawnFailed",
     "ChildExited",
@@ -142,6 +152,7 @@ __all__ = [
     "Forward",
     "Tick",
     "Requeued",
+    "RequeueResult",
     "Event",
     "RunPreflight",
     "Spawn",
@@ -188,7 +199,7 @@ def step(s: State, ev: Event) -> Result:
     Returns:
         The new state and the actions to execute, in order.
     """
-    if s.phase in TERMINAL or s.exit_code is not None:
+    if s.terminal:
         return s, []
     if isinstance(ev, Preflighted):
         return _preflighted(s, ev)
@@ -214,7 +225,7 @@ def step(s: State, ev: Event) -> Result:
 def _preflighted(s: State, ev: Preflighted) -> Result:
     if s.phase is not Phase.PREFLIGHT:
         return s, []
-    if ev.outcome == "complete":
+    if ev.outcome == PreflightOutcome.COMPLETE:
         return _stop(
             s,
             Phase.ALREADY_COMPLETE,
@@ -223,7 +234,7 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
             f"run already complete ({ev.detail or 'COMPLETE.json'}); not starting the command",
             step=ev.step,
         )
-    if ev.outcome == "incompatible":
+    if ev.outcome == PreflightOutcome.INCOMPATIBLE:
         return _stop(
             s,
             Phase.INCOMPATIBLE,
@@ -235,7 +246,7 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
             step=ev.step,
             diff=list(ev.diff),
         )
-    if ev.outcome == "cancelled" or s.cancel:
+    if ev.outcome == PreflightOutcome.CANCELLED or s.cancel:
         return _stop(
             s,
             Phase.CANCELLED,
@@ -505,7 +516,7 @@ def _requeued(s: State, ev: Requeued) -> Result:
     if s.phase is not Phase.PREEMPTED:
         return s, []
     code = s.pending_code if s.pending_code is not None else ExitCode.PREEMPTED_NO_CHECKPOINT
-    if ev.outcome == "failed":
+    if ev.outcome == RequeueResult.FAILED:
         return _stop(
             s,
             Phase.REQUEUE_FAILED,
@@ -513,13 +524,13 @@ def _requeued(s: State, ev: Requeued) -> Result:
             "requeue_failed",
             f"requeue failed: {ev.detail}; the checkpoint is intact, resubmit",
         )
-    if ev.outcome == "restart_here" and not s.self_term:
+    if ev.outcome == RequeueResult.RESTART_HERE and not s.self_term:
         s = _r(s, phase=Phase.PREFLIGHT)
         return s, [Log("requeue", "restarting here", {"outcome": ev.outcome}), RunPreflight()]
     msg = (
         "this supervisor or machine is being stopped (SIGTERM or a machine notice): not "
         "restarting in place; `ckrun run` or `ckrun submit` again resumes"
-        if ev.outcome == "restart_here"
+        if ev.outcome == RequeueResult.RESTART_HERE
         else f"requeued by the scheduler{': ' + ev.detail if ev.detail else ''}"
     )
     s = _r(s, exit_code=int(code))

@@ -10,13 +10,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckrun.enums import StrEnum
+
+
+class PreflightOutcome(StrEnum):
+    """What preflight found (:mod:`ckrun.supervisor.preflight`)."""
+
+    READY = "ready"  # start an attempt (resuming ``step``, or from scratch)
+    COMPLETE = "complete"  # the run has its completion marker
+    INCOMPATIBLE = "incompatible"  # the newest checkpoint refuses this launch
+    CANCELLED = "cancelled"  # `ckrun cancel` happened
+
+
+class RequeueResult(StrEnum):
+    """The scheduler's answer to a requeue (:meth:`ckrun.scheduler.base.Scheduler.requeue`)."""
+
+    RESTART_HERE = "restart_here"  # the supervisor starts the next attempt itself
+    REQUEUED = "requeued"  # the scheduler starts the next attempt; this one exits
+    FAILED = "failed"  # the requeue raised, or no job of this scheduler
+
 
 # ---------------------------------------------------------------- events
 @dataclass(frozen=True)
 class Preflighted:
-    """Preflight result: ``outcome`` is ready | complete | incompatible | cancelled."""
+    """Preflight result (a :class:`PreflightOutcome`, with the step, refusing diff and
+    a line for the log)."""
 
-    outcome: str
+    outcome: PreflightOutcome
     step: int | None = None
     diff: tuple[str, ...] = ()
     detail: str = ""
@@ -78,9 +98,9 @@ class Tick:
 
 @dataclass(frozen=True)
 class Requeued:
-    """The scheduler's answer: ``outcome`` is restart_here | requeued | failed."""
+    """The scheduler's answer to the requeue (a :class:`RequeueResult`)."""
 
-    outcome: str
+    outcome: RequeueResult
     detail: str = ""
     now: float = 0.0
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from ckrun.config import RunConfig
 from ckrun.storage.base import Storage
-from ckrun.supervisor.machine import Preflighted
+from ckrun.supervisor.messages import Preflighted, PreflightOutcome
 from ckrun.supervisor.rundir import RunDir
 
 _ABSENT_HASH = "launch_hash: <absent>"
@@ -33,14 +33,14 @@ class PreflightReport:
     """Preflight outcome.
 
     Attributes:
-        outcome: ``ready``, ``complete``, ``incompatible`` or ``cancelled``.
+        outcome: what preflight found.
         step: resume step (ready), final step (complete) or the refusing step.
         diff: refusing differences, one ``path: old → new`` line each.
         warnings: notes to print (ignored marker, skipped checkpoints, warn fields).
         detail: one line for the log.
     """
 
-    outcome: str
+    outcome: PreflightOutcome
     step: int | None = None
     diff: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=())
@@ -88,7 +88,7 @@ def preflight(cfg: RunConfig, rundir: RunDir, storage: Storage | None = None) ->
     from ckrun.checkpoint import discovery
 
     if os.path.exists(rundir.cancelled_path):
-        return PreflightReport("cancelled", detail="cancelled by `ckrun cancel`")
+        return PreflightReport(PreflightOutcome.CANCELLED, detail="cancelled by `ckrun cancel`")
     storage = storage or open_run_storage(cfg)
     allow = tuple(cfg.allow_change)
     pf = discovery.preflight(storage, expected=expected_compat(cfg), allow_change=allow)
@@ -96,7 +96,11 @@ def preflight(cfg: RunConfig, rundir: RunDir, storage: Storage | None = None) ->
     if pf.complete is not None:
         final: int = pf.complete.final_step
         return PreflightReport(
-            "complete", final, (), tuple(warnings), f"COMPLETE.json, final step {final}"
+            PreflightOutcome.COMPLETE,
+            final,
+            (),
+            tuple(warnings),
+            f"COMPLETE.json, final step {final}",
         )
     step = pf.resume.step if pf.resume is not None else None
     diff = [d for d in pf.diff if not d.startswith(_ABSENT_HASH)]
@@ -107,14 +111,14 @@ def preflight(cfg: RunConfig, rundir: RunDir, storage: Storage | None = None) ->
         )
     if diff:
         return PreflightReport(
-            "incompatible",
+            PreflightOutcome.INCOMPATIBLE,
             step,
             tuple(diff),
             tuple(warnings),
             f"checkpoint step {step} is incompatible",
         )
     return PreflightReport(
-        "ready",
+        PreflightOutcome.READY,
         step,
         (),
         tuple(warnings),

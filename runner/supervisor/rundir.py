@@ -140,11 +140,13 @@ class RunDir:
             lock.acquire(timeout=0)
         except Timeout as e:
             holder = read_json(self.holder_path) or {}
+            where = str((read_json(self.run_json) or {}).get("storage") or "")
+            at = f" --storage {where}" if where else ""
             raise RunLocked(
                 f"run {run!r} is alive: supervisor pid {holder.get('pid', '?')} on host "
                 f"{holder.get('host', '?')} (attempt {holder.get('attempt', '?')}, since "
                 f"{holder.get('started_utc', '?')}) holds {self.lock_path}; use "
-                f"`ckrun status {run}` or `ckrun cancel {run}`, or pick another --run",
+                f"`ckrun status {run}{at}` or `ckrun cancel {run}{at}`, or pick another --run",
                 holder=holder,
             ) from e
         holder = {

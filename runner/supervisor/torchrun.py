@@ -1,4 +1,4 @@
-"""Running the training command under ``torchrun`` inside the supervisor (issue 8).
+"""Running the training command under ``torchrun`` inside the supervisor.
 
 ``ckrun submit train.py --nproc-per-node N [--nnodes M]`` keeps the user's command as the
 launch identity (``run.json``) and the supervisor spawns :func:`wrap`'s form of it::
@@ -31,6 +31,21 @@ Slurm, the first host of ``SLURM_JOB_NODELIST``) and ``MASTER_PORT`` (else 29500
 ``20000 + SLURM_JOB_ID % 20000`` under Slurm so that jobs sharing a node do not
 collide).  Only the supervisor of rank 0 requeues the job (``Scheduler.requeue``
 returns at once on other ranks).
+
+Kubernetes (one pod per node; :mod:`ckrun.scheduler.k8s_group` renders the env): the c10d
+rendezvous (torch ``--rdzv-backend c10d``) at ``CKRUN_RDZV_ENDPOINT``, index 0's stable
+name ``<prefix>-0.<service>:PORT``; index 0's torchrun hosts the store (``is_host`` set
+explicitly, not guessed from host names), the others join, all wait up to
+``CKRUN_RDZV_TIMEOUT_S`` for the slowest pod: ``join_timeout``, and ``read_timeout``,
+which is also how long a node keeps trying to reach the store of an index 0 that starts
+(or resolves in DNS) later than it -- torch's default is 60 s.  c10d ignores
+``--node-rank``: it numbers nodes by their sorted address (torch
+``dynamic_rendezvous``: ``sorted(participants)``), so each pod passes its own stable name
+``<prefix>-<index>.<service>`` as ``--local-addr``.  Node rank then equals
+``JOB_COMPLETION_INDEX`` for up to 10 nodes; beyond that the order of the names is
+lexicographic (``-10.`` before ``-2.``), the same in every generation of the group, and
+index 0 (``-0.``) always sorts first, so global rank 0 -- the rank that commits and
+finalizes -- always runs on index 0.
 """
 
 from __future__ import annotations
@@ -44,6 +59,8 @@ from ckrun.errors import ConfigError
 
 MODULE = "torch.distributed.run"
 DEFAULT_PORT = 29500
+#: Pod env naming the c10d rendezvous ``HOST:PORT`` (rendered by the k8s backend).
+RDZV_ENDPOINT_ENV = "CKRUN_RDZV_ENDPOINT"
 #: torchrun's own default shutdown timeout (seconds between TERM and KILL of workers).
 TORCHRUN_KILL_S = 30
 #: Seconds between process-tree scans of a torchrun child (:func:`track`).
@@ -95,6 +112,8 @@ def rendezvous_args(nnodes: int, node_rank: int, env: Mapping[str, str]) -> list
     """
     if nnodes <= 1:
         return ["--standalone"]
+    if env.get(RDZV_ENDPOINT_ENV):
+        return c10d_args(nnodes, node_rank, env)
     slurm_nodes = env.get("SLURM_JOB_NODELIST", "")
     addr = env.get("MASTER_ADDR") or (first_host(slurm_nodes) if slurm_nodes else "")
     default_port = DEFAULT_PORT
@@ -116,6 +135,48 @@ def rendezvous_args(nnodes: int, node_rank: int, env: Mapping[str, str]) -> list
             "supervisor per node (srun --ntasks-per-node 1)"
         )
     return ["--node-rank", str(node_rank), "--master-addr", addr, "--master-port", str(port)]
+
+
+def c10d_args(nnodes: int, node_rank: int, env: Mapping[str, str]) -> list[str]:
+    """torchrun's c10d rendezvous arguments for node ``node_rank`` (module docstring).
+
+    Raises:
+        ConfigError: ``CKRUN_RDZV_ENDPOINT`` is not ``<prefix>-0.<domain>:PORT``, or the
+            node rank is outside ``nnodes``.
+    """
+    endpoint = env[RDZV_ENDPOINT_ENV]
+    host, _, port = endpoint.rpartition(":")
+    label, dot, domain = host.partition(".")
+    if not (port.isdigit() and label.endswith("-0") and dot and domain):
+        raise ConfigError(
+            f"{RDZV_ENDPOINT_ENV}={endpoint!r}: expected index 0's stable name and port, "
+            "<prefix>-0.<service>:PORT (rendered by the k8s backend)"
+        )
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(
+            f"JOB_COMPLETION_INDEX {node_rank} is outside --nnodes {nnodes}: the Job's "
+            "completions and parallelism must equal --nnodes"
+        )
+    conf = [f"is_host={'true' if node_rank == 0 else 'false'}"]
+    timeout = env.get("CKRUN_RDZV_TIMEOUT_S", "")
+    if timeout:
+        if not timeout.isdigit():
+            raise ConfigError(f"CKRUN_RDZV_TIMEOUT_S={timeout!r} is not a number of seconds")
+        # join_timeout: waiting for the last node; read_timeout: the store client's
+        # connect timeout too (torch's default 60 s), for an index 0 that starts later
+        conf += [f"join_timeout={timeout}", f"read_timeout={timeout}"]
+    return [
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        env.get("CKRUN_RDZV_ID") or label[:-2],
+        "--rdzv-conf",
+        ",".join(conf),
+        "--local-addr",
+        f"{label[:-1]}{node_rank}.{domain}",
+    ]
 
 
 def wrap(

@@ -25,7 +25,7 @@ def test_ls_table_and_json(run_dir: Path) -> None:
     lines = r.output.splitlines()
     assert lines[0].split()[:3] == ["STEP", "KIND", "SIZE"]
     assert [ln.split()[0] for ln in lines[1:]] == ["3", "2", "1"]
-    assert all(ln.rstrip().endswith("ok") for ln in lines[1:])
+    assert all(ln.rstrip().endswith("committed") for ln in lines[1:])  # issue 13: not "ok"
     r = CliRunner().invoke(ls, [str(run_dir), "--json"])
     body = json.loads(r.output)
     assert [c["step"] for c in body["checkpoints"]] == [3, 2, 1] and not body["complete"]

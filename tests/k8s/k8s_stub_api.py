@@ -7,10 +7,15 @@ API (https://kubernetes.io/docs/reference/kubernetes-api/) for ckrun's calls:
 * ``GET    /apis/batch/v1/namespaces/{ns}/jobs/{name}``  200, or 404 ``NotFound``
 * ``DELETE /apis/batch/v1/namespaces/{ns}/jobs/{name}``  200, or 404 ``NotFound``
 * ``GET    /api/v1/namespaces/{ns}/pods?labelSelector=k=v``  the pods the test seeded
+* ``POST   /api/v1/namespaces/{ns}/services`` (``GET|DELETE .../services/{name}``)
+* ``POST|GET|DELETE /apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets[/{name}]``
+  (404 on every path when :attr:`StubApi.jobset_installed` is False: no such CRD)
 
 Errors are ``v1.Status`` bodies like the real server's.  It runs no Job controller: tests
 seed pods and Job status themselves (:meth:`StubApi.set_pods`, :meth:`StubApi.patch_job`).
-A namespace named ``forbidden`` answers 403 to everything, like missing RBAC.
+Of the garbage collector it does one thing: deleting a Job deletes the Services whose
+``ownerReferences`` name its uid.  A namespace named ``forbidden`` answers 403 to
+everything, like missing RBAC.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class StubApi:
 
     def __init__(self) -> None:
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.services: dict[tuple[str, str], dict[str, Any]] = {}
+        self.jobsets: dict[tuple[str, str], dict[str, Any]] = {}
+        self.jobset_installed = True
         self.pods: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self.requests: list[dict[str, Any]] = []
         self.lock = threading.Lock()
@@ -75,14 +83,33 @@ class StubApi:
         )
         return path
 
-    def set_pods(self, ns: str, job: str, pods: list[dict[str, Any]]) -> None:
-        """Seed the pods a Job controller would have created (labelled with the job)."""
+    def set_pods(
+        self,
+        ns: str,
+        job: str,
+        pods: list[dict[str, Any]],
+        label: str = "batch.kubernetes.io/job-name",
+    ) -> None:
+        """Seed the pods a controller would have created (labelled ``label=job``)."""
         for p in pods:
-            p.setdefault("metadata", {}).setdefault("labels", {})[
-                "batch.kubernetes.io/job-name"
-            ] = job
+            p.setdefault("metadata", {}).setdefault("labels", {})[label] = job
         with self.lock:
             self.pods[(ns, job)] = pods
+
+    def _store(self, parts: list[str]) -> tuple[dict[tuple[str, str], Any], str] | None:
+        """The object store and kind of a collection or object path, else None."""
+        if parts[:3] == ["apis", "batch", "v1"] and len(parts) in (6, 7) and parts[5] == "jobs":
+            return self.jobs, "jobs.batch"
+        if parts[:2] == ["api", "v1"] and len(parts) in (5, 6) and parts[4] == "services":
+            return self.services, "services"
+        if (
+            parts[:3] == ["apis", "jobset.x-k8s.io", "v1alpha2"]
+            and len(parts) in (6, 7)
+            and parts[5] == "jobsets"
+            and self.jobset_installed
+        ):
+            return self.jobsets, "jobsets.jobset.x-k8s.io"
+        return None
 
     def patch_job(self, ns: str, name: str, status: dict[str, Any]) -> None:
         """Set a Job's ``.status`` as the controller would."""
@@ -122,20 +149,22 @@ class StubApi:
 
             def do_POST(self) -> None:
                 parts, _, body = self._record()
-                if parts[:3] != ["apis", "batch", "v1"] or len(parts) != 6 or parts[5] != "jobs":
+                found = stub._store(parts)
+                if found is None or parts[0] + str(len(parts)) not in ("api5", "apis6"):
                     return self._reply(404, _status(404, "NotFound", "no such path"))
-                ns = parts[4]
+                store, kind = found
+                ns = parts[3] if parts[0] == "api" else parts[4]
                 if ns == "forbidden":
                     return self._reply(
                         403,
-                        _status(403, "Forbidden", "jobs.batch is forbidden: User cannot create"),
+                        _status(403, "Forbidden", f"{kind} is forbidden: User cannot create"),
                     )
                 name = body["metadata"]["name"]
                 with stub.lock:
-                    if (ns, name) in stub.jobs:
+                    if (ns, name) in store:
                         return self._reply(
                             409,
-                            _status(409, "AlreadyExists", f'jobs.batch "{name}" already exists'),
+                            _status(409, "AlreadyExists", f'{kind} "{name}" already exists'),
                         )
                     obj = json.loads(json.dumps(body))
                     obj["metadata"].update(
@@ -146,40 +175,61 @@ class StubApi:
                         ),
                     )
                     obj["status"] = {}
-                    stub.jobs[(ns, name)] = obj
+                    store[(ns, name)] = obj
                 self._reply(201, obj)
 
             def do_GET(self) -> None:
                 parts, query, _ = self._record()
                 if parts[:2] == ["api", "v1"] and len(parts) == 5 and parts[4] == "pods":
                     key, _, value = query.get("labelSelector", [""])[0].partition("=")
-                    assert key == "batch.kubernetes.io/job-name", key
                     with stub.lock:
-                        items = list(stub.pods.get((parts[3], value), []))
+                        items = [
+                            p
+                            for p in stub.pods.get((parts[3], value), [])
+                            if p["metadata"]["labels"].get(key) == value
+                        ]
                     return self._reply(
                         200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}
                     )
-                if parts[:3] == ["apis", "batch", "v1"] and len(parts) == 7:
+                found = stub._store(parts)
+                if (
+                    found is not None
+                    and len(parts) in (6, 7)
+                    and parts[0] + str(len(parts))
+                    in (
+                        "api6",
+                        "apis7",
+                    )
+                ):
+                    store, kind = found
+                    ns = parts[3] if parts[0] == "api" else parts[4]
                     with stub.lock:
-                        obj = stub.jobs.get((parts[4], parts[6]))
+                        obj = store.get((ns, parts[-1]))
                     if obj is None:
                         return self._reply(
-                            404, _status(404, "NotFound", f'jobs.batch "{parts[6]}" not found')
+                            404, _status(404, "NotFound", f'{kind} "{parts[-1]}" not found')
                         )
                     return self._reply(200, obj)
                 self._reply(404, _status(404, "NotFound", "no such path"))
 
             def do_DELETE(self) -> None:
                 parts, _, _ = self._record()
-                if parts[:3] != ["apis", "batch", "v1"] or len(parts) != 7:
+                found = stub._store(parts)
+                if found is None or parts[0] + str(len(parts)) not in ("api6", "apis7"):
                     return self._reply(404, _status(404, "NotFound", "no such path"))
+                store, kind = found
+                ns, name = (parts[3] if parts[0] == "api" else parts[4]), parts[-1]
                 with stub.lock:
-                    obj = stub.jobs.pop((parts[4], parts[6]), None)
-                    stub.pods.pop((parts[4], parts[6]), None)
+                    obj = store.pop((ns, name), None)
+                    if obj is not None and kind != "services":
+                        stub.pods.pop((ns, name), None)
+                        uid = obj["metadata"]["uid"]
+                        for key, svc in list(stub.services.items()):  # the garbage collector
+                            owners = svc["metadata"].get("ownerReferences") or []
+                            if any(o.get("uid") == uid for o in owners):
+                                del stub.services[key]
                 if obj is None:
-                    return self._reply(
-                        404, _status(404, "NotFound", f'jobs.batch "{parts[6]}" not found')
-                    )
+                    return self._reply(404, _status(404, "NotFound", f'{kind} "{name}" not found'))
                 self._reply(
                     200,
                     {
@@ -187,7 +237,7 @@ class StubApi:
                         "apiVersion": "v1",
                         "metadata": {},
                         "status": "Success",
-                        "details": {"name": parts[6]},
+                        "details": {"name": name},
                     },
                 )
 

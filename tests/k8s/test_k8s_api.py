@@ -202,3 +202,170 @@ def test_rbac_example_allows_every_call(stub: StubApi, tmp_path: Path) -> None:
         ("batch", "jobs", "delete"),
     }
     assert used <= allowed
+
+
+# -- multi-node runs (--nnodes N): the Indexed Job + its Service, or a JobSet ------------
+
+
+def _group_pod(name: str, index: int, phase: str, created: str, **kw: Any) -> dict[str, Any]:
+    pod = _pod(name, phase, created, **kw)
+    pod["metadata"]["annotations"] = {"batch.kubernetes.io/job-completion-index": str(index)}
+    return pod
+
+
+def test_group_submit_creates_the_job_then_its_owned_service(stub: StubApi, tmp_path: Path) -> None:
+    sched = _sched(stub, tmp_path, namespace="ml")
+    spec = _spec("grp", nnodes=2, nproc_per_node=4)
+    assert sched.submit(spec) == "ml/grp"
+    job_req, svc_req = stub.requests
+    assert (job_req["method"], job_req["path"]) == ("POST", "/apis/batch/v1/namespaces/ml/jobs")
+    assert (svc_req["method"], svc_req["path"]) == ("POST", "/api/v1/namespaces/ml/services")
+    svc, job = sched.manifests(spec)
+    assert job_req["body"] == job  # exactly the rendered documents
+    owner = svc_req["body"]["metadata"].pop("ownerReferences")
+    assert svc_req["body"] == svc
+    assert owner == [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": "grp",
+            "uid": stub.jobs[("ml", "grp")]["metadata"]["uid"],
+        }
+    ]
+
+
+def test_group_status_combines_the_indexes(stub: StubApi, tmp_path: Path) -> None:
+    sched = _sched(stub, tmp_path)
+    job_id = sched.submit(_spec("grp", nnodes=2))
+    t0, t1 = "2026-11-29T08:00:00Z", "2026-11-29T08:05:00Z"
+    stub.set_pods("default", "grp", [_group_pod("grp-0-a", 0, "Running", t0)])
+    assert sched.status(job_id) == JobState.PENDING  # index 1 has no pod yet
+    stub.set_pods(
+        "default",
+        "grp",
+        [_group_pod("grp-0-a", 0, "Running", t0), _group_pod("grp-1-a", 1, "Running", t0)],
+    )
+    assert sched.status(job_id) == JobState.RUNNING
+    stub.set_pods(
+        "default",
+        "grp",
+        [
+            _group_pod("grp-0-a", 0, "Running", t0),
+            _group_pod("grp-1-a", 1, "Running", t0, disrupted=True),
+        ],
+    )
+    assert sched.status(job_id) == JobState.PREEMPTED  # one pod draining: the group is
+    stub.set_pods(
+        "default",
+        "grp",
+        [
+            _group_pod("grp-0-a", 0, "Failed", t0, exit_code=75),
+            _group_pod("grp-1-a", 1, "Failed", t0, exit_code=75, disrupted=True),
+            _group_pod("grp-0-b", 0, "Running", t1),
+        ],
+    )
+    assert sched.status(job_id) == JobState.REQUEUED  # index 1's replacement is not there yet
+    info = sched.describe(job_id)
+    assert [(p["name"], p["index"], p["exit_code"]) for p in info["pods"]] == [
+        ("grp-0-a", "0", 75),
+        ("grp-1-a", "1", 75),
+        ("grp-0-b", "0", None),
+    ]
+    stub.set_pods(
+        "default",
+        "grp",
+        [_group_pod("grp-0-b", 0, "Succeeded", t1), _group_pod("grp-1-b", 1, "Running", t1)],
+    )
+    assert sched.status(job_id) == JobState.RUNNING
+
+
+def test_group_cancel_deletes_the_job_and_so_its_service(stub: StubApi, tmp_path: Path) -> None:
+    sched = _sched(stub, tmp_path)
+    job_id = sched.submit(_spec("grp", nnodes=2))
+    assert ("default", "grp") in stub.services
+    sched.cancel(job_id)
+    assert [(r["method"], r["path"]) for r in stub.requests[-1:]] == [
+        ("DELETE", "/apis/batch/v1/namespaces/default/jobs/grp")
+    ]
+    assert stub.services == {} and stub.jobs == {}  # the Service went with its owner
+    assert sched.status(job_id) == JobState.UNKNOWN
+    sched.submit(_spec("grp", nnodes=2))  # both names are free again
+
+
+def test_group_service_conflict_rolls_the_job_back(stub: StubApi, tmp_path: Path) -> None:
+    sched = _sched(stub, tmp_path)
+    stub.services[("default", "grp")] = {"metadata": {"name": "grp", "uid": "x"}}
+    with pytest.raises(SchedulerError, match="Service named 'grp' already exists"):
+        sched.submit(_spec("grp", nnodes=2))
+    assert stub.jobs == {}  # no Job left without its Service
+
+
+def test_jobset_submit_status_cancel(stub: StubApi, tmp_path: Path) -> None:
+    sched = _sched(stub, tmp_path, namespace="ml", k8s_kind="jobset")
+    spec = _spec("grp", nnodes=2)
+    job_id = sched.submit(spec)
+    assert job_id == "ml/jobset/grp"
+    (req,) = stub.requests
+    assert (req["method"], req["path"]) == (
+        "POST",
+        "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets",
+    )
+    assert req["body"] == sched.manifest(spec)
+    with pytest.raises(SchedulerError, match="ckrun cancel ml/jobset/grp"):
+        sched.submit(spec)
+    label = "jobset.sigs.k8s.io/jobset-name"
+    t0 = "2026-11-29T08:00:00Z"
+    stub.set_pods(
+        "ml",
+        "grp",
+        [
+            _group_pod("grp-node-0-0-a", 0, "Running", t0),
+            _group_pod("grp-node-0-1-a", 1, "Running", t0),
+        ],
+        label=label,
+    )
+    assert sched.status(job_id) == JobState.RUNNING
+    assert stub.requests[-1]["query"]["labelSelector"] == [f"{label}=grp"]
+    stub.jobsets[("ml", "grp")]["status"] = {
+        "conditions": [{"type": "Completed", "status": "True"}]
+    }
+    assert sched.status(job_id) == JobState.COMPLETED
+    sched.cancel(job_id)
+    assert (stub.requests[-1]["method"], stub.requests[-1]["path"]) == (
+        "DELETE",
+        "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets/grp",
+    )
+    assert sched.status(job_id) == JobState.UNKNOWN
+    sched.cancel(job_id)  # idempotent
+
+
+def test_jobset_not_installed_says_so(stub: StubApi, tmp_path: Path) -> None:
+    stub.jobset_installed = False
+    sched = _sched(stub, tmp_path, k8s_kind="jobset")
+    with pytest.raises(SchedulerError, match="install JobSet v0.10"):
+        sched.submit(_spec("grp", nnodes=2))
+
+
+def test_rbac_example_allows_every_group_call(stub: StubApi, tmp_path: Path) -> None:
+    """The multi-node cycles (Job + Service, JobSet) are allowed by k8s/rbac.yaml too."""
+    import yaml
+
+    docs = yaml.safe_load_all(
+        (Path(__file__).resolve().parents[2] / "k8s" / "rbac.yaml").read_text()
+    )
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    allowed = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    for kind in ("job", "jobset"):
+        sched = _sched(stub, tmp_path, k8s_kind=kind)
+        job_id = sched.submit(_spec("grp", nnodes=2))
+        sched.status(job_id)
+        sched.cancel(job_id)
+    used = {_verb(r) for r in stub.requests}
+    assert ("", "services", "create") in used and ("jobset.x-k8s.io", "jobsets", "delete") in used
+    assert used <= allowed, used - allowed

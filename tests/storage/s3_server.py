@@ -97,8 +97,10 @@ class FaultProxy:
         self.target = target.removeprefix("http://")
         self.lock = threading.Lock()
         self.faults: list[tuple[int, bytes, str]] = []
+        self.drops: list[tuple[str, int]] = []
         self.forwarded = 0
         self.injected = 0
+        self.dropped = 0
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -113,6 +115,10 @@ class FaultProxy:
                 with owner.lock:
                     i = next((i for i, f in enumerate(owner.faults) if f[2] in self.path), None)
                     fault = owner.faults.pop(i) if i is not None else None
+                    j = None
+                    if self.command == "GET":
+                        j = next((j for j, d in enumerate(owner.drops) if d[0] in self.path), None)
+                    drop = owner.drops.pop(j)[1] if j is not None and not fault else None
                     if fault:
                         owner.injected += 1
                     else:
@@ -126,18 +132,44 @@ class FaultProxy:
                 resp = conn.getresponse()
                 data = resp.read()
                 skip = {"content-length", "transfer-encoding", "connection"}
-                self._send(
-                    resp.status,
-                    [(k, v) for k, v in resp.getheaders() if k.lower() not in skip],
-                    data,
-                )
+                headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in skip]
+                length = None
+                if self.command == "HEAD":  # no body: pass the object's length through
+                    length = int(resp.getheader("Content-Length") or 0)
                 conn.close()
+                if drop is not None and len(data) > drop:
+                    with owner.lock:
+                        owner.dropped += 1
+                    return self._send_cut(resp.status, headers, data, drop)
+                self._send(resp.status, headers, data, length)
 
-            def _send(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+            def _send_cut(
+                self, status: int, headers: list[tuple[str, str]], data: bytes, cut: int
+            ) -> None:
+                """Announce the whole body, send ``cut`` bytes of it, close the socket."""
                 self.send_response(status)
                 for k, v in headers:
                     self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data[:cut])
+                self.wfile.flush()
+                self.close_connection = True
+                import socket
+
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+            def _send(
+                self,
+                status: int,
+                headers: list[tuple[str, str]],
+                data: bytes,
+                length: int | None = None,
+            ) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data) if length is None else length))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
@@ -158,6 +190,13 @@ class FaultProxy:
         with self.lock:
             body = s3_error_xml(code, "injected by FaultProxy")
             self.faults.extend([(status, body, match)] * n)
+
+    def drop_next(self, n: int, match: str, after_bytes: int) -> None:
+        """Cut the body of the next ``n`` GETs whose path contains ``match`` after
+        ``after_bytes`` bytes: headers announce the whole object, then the connection
+        closes (a connection dropped mid-download)."""
+        with self.lock:
+            self.drops.extend([(match, after_bytes)] * n)
 
     def close(self) -> None:
         self._httpd.shutdown()

@@ -1,0 +1,167 @@
+"""``ckrun runs`` (the runs under a storage base) and ``ckrun logs NAME [-f]``.
+
+``runs`` reads each ``<storage>/<run>/run.json`` and its event log (no torch import):
+state, attempts, newest committed step, goodput and age (time since its last event).
+``logs`` prints the output of a detached or scheduled run: the files recorded in
+``job.json`` at submission (local: ``supervisor.log`` in the run directory, which holds
+the supervisor's and the training process's output; Slurm: the job's ``.out``/``.err``
+files); ``-f`` follows them until the run's supervisor has exited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import click
+from ckrun.errors import UsageError
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def list_runs(base: str) -> list[dict[str, Any]]:
+    """One row per run under the local storage base ``base`` (sorted by name): run,
+    state, attempts, newest committed step, goodput, age_s (seconds since its last
+    event, or since ``run.json`` was written)."""
+    from ckrun.notices import utcnow
+    from ckrun.report.history import stamp
+    from ckrun.report.summary import summarize
+    from ckrun.runlog import read_events
+    from ckrun.supervisor.rundir import RunDir
+
+    rows = []
+    now = utcnow().timestamp()
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        rd = RunDir(os.path.join(base, name))
+        if not rd.exists():
+            continue
+        s = summarize(rd)
+        evs = read_events(rd.events_path)
+        last = stamp(evs[-1]) if evs else None
+        if last is None:
+            last = os.path.getmtime(rd.run_json)
+        rows.append(
+            {
+                "run": s["run"] or name,
+                "state": s["state"],
+                "attempts": s["attempts"],
+                "step": s["last_committed_step"],
+                "goodput": s["goodput"],
+                "age_s": round(max(0.0, now - last), 3),
+            }
+        )
+    return rows
+
+
+@click.command("runs")
+@click.option("--storage", default=None, metavar="DIR", help="Storage base to list [./ckrun-runs].")
+@click.option("--json", "as_json", is_flag=True, help="One JSON list.")
+def runs(storage: str | None, as_json: bool) -> None:
+    """List the runs under a storage base: state, attempts, newest step, goodput, age."""
+    from ckrun.config import is_local_storage, resolve
+
+    base = resolve("local", {"storage": storage} if storage else {}).storage
+    if not is_local_storage(base):
+        raise UsageError(
+            f"{base}: `ckrun runs` lists a local storage base (the runs' state "
+            "directories); for remote storage pass the state_dir"
+        )
+    base = os.path.abspath(base.removeprefix("file://"))
+    rows = list_runs(base)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    if not rows:
+        click.echo(f"no runs under {base}")
+        return
+    width = max(3, *(len(r["run"]) for r in rows))
+    click.echo(f"{'RUN':<{width}}  {'STATE':<15} {'ATTEMPTS':>8} {'STEP':>8} {'GOODPUT':>8} AGE")
+    for r in rows:
+        gp = "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
+        step = "-" if r["step"] is None else str(r["step"])
+        click.echo(
+            f"{r['run']:<{width}}  {r['state']:<15} {r['attempts']:>8} {step:>8} {gp:>8} "
+            f"{_age(r['age_s'])}"
+        )
+    click.echo(f"(under {base}; `ckrun status RUN --storage {base}` for one run)")
+
+
+def log_files(rd: Any) -> list[str]:
+    """The output files of the run in ``rd``: those ``job.json`` names, else the run
+    directory's ``supervisor.log`` when it exists."""
+    from ckrun.supervisor.rundir import read_json
+
+    job = read_json(rd.job_json) or {}
+    files = [str(f) for f in job.get("log_files") or []]
+    if not files and os.path.exists(rd.log_path):
+        files = [rd.log_path]
+    return files
+
+
+def _finished(rd: Any) -> bool:
+    """True when no supervisor holds the run and its last supervisor exited (or none
+    ever started and nothing was submitted)."""
+    from ckrun.runlog import read_events
+
+    if rd.live_holder() is not None:
+        return False
+    kinds = [e.get("kind") for e in read_events(rd.events_path)]
+    starts = [i for i, k in enumerate(kinds) if k in ("supervisor_start", "submitted")]
+    exits = [i for i, k in enumerate(kinds) if k == "supervisor_exit"]
+    return bool(exits) and (not starts or exits[-1] > starts[-1])
+
+
+@click.command("logs")
+@click.argument("name")
+@click.option("--storage", default=None, metavar="DIR", help="Storage base [./ckrun-runs].")
+@click.option("-f", "--follow", is_flag=True, help="Follow the output until the run stops.")
+def logs(name: str, storage: str | None, follow: bool) -> None:
+    """The supervisor's and the training process's output of run NAME (detached or
+    scheduled runs; a foreground run printed to its terminal)."""
+    from ckrun.cli.commands import hint, locate, run_storage
+    from ckrun.supervisor.rundir import read_json
+
+    rd = locate(name, storage)
+    files = log_files(rd)
+    job = read_json(rd.job_json)
+    if not files and job and job.get("backend") == "k8s":
+        ns, _, jname = str(job.get("job_id")).rpartition("/")
+        raise UsageError(
+            f"run {name!r} runs as Kubernetes Job {job.get('job_id')}: its output is the "
+            f"pods' log, `kubectl logs -n {ns or 'default'} job/{jname}{' -f' if follow else ''}`"
+        )
+    if not files:
+        raise UsageError(
+            f"run {name!r} has no output file: it ran in the foreground (its output went "
+            f"to that terminal) or was never submitted; `{hint('status', name, run_storage(rd))}`"
+        )
+    offsets: dict[str, int] = {}
+    while True:
+        files = log_files(rd) or files
+        done = _finished(rd)  # read before the files: their last bytes come after it
+        for path in files:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offsets.get(path, 0))
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            if chunk:
+                offsets[path] = offsets.get(path, 0) + len(chunk)
+                click.echo(chunk.decode("utf-8", "replace"), nl=False)
+        if not follow or done:
+            return
+        try:
+            time.sleep(0.2)
+        except KeyboardInterrupt:
+            return
