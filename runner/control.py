@@ -25,15 +25,37 @@ first training step rather than from its spawn (``--chaos-preempt-every``), and 
 A SIGTERM that arrives after :func:`write_escalation` (the supervisor's "time is up")
 is not swallowed: the default action is restored and the signal re-raised.
 
-Environment read here: ``CKRUN_CONTROL_DIR``, ``CKRUN_NOTICE_SIGNAL``.
+Exit reasons (issue 11 item 8): a user script may exit 3, 4, 5, 75 or 76 for its own
+reasons.  Before the library ends the process for one of ckrun's reasons it writes an
+exit-reason record (:func:`write_exit_reason`, ``exit-reason.json``: ``reason``,
+``code``, ``message``); the supervisor reads it (:func:`read_exit_reason`) and only the
+record makes an exit 4 "incompatible", a 3 "invalid config", a 5 "storage full" or
+"storage denied" (not retried), and a status 0 after a notice a preemption.
+
+Under a supervisor, ``import ckrun`` already catches the notice signal (only it): the
+process counts as one that handles notices while it still imports torch.
+
+Supervisor liveness (issue 11 item 2): the supervisor's children get
+``PR_SET_PDEATHSIG`` (SIGTERM) at spawn, the library sets it again in its own process at
+first use (a torchrun worker or a script under a shell wrapper then follows its parent),
+and :func:`preemption_requested` treats a vanished supervisor (``CKRUN_SUPERVISOR_PID``
+no longer alive) as a notice, so the process saves and stops instead of running on as
+an orphan.
+
+Environment read here: ``CKRUN_CONTROL_DIR``, ``CKRUN_NOTICE_SIGNAL``,
+``CKRUN_SUPERVISOR_PID``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import signal
+import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -42,6 +64,12 @@ from ckrun.storage.fsutil import write_json_atomic
 
 NOTICE_FILE = "notice.json"
 ESCALATE_FILE = "escalate"
+EXIT_REASON_FILE = "exit-reason.json"
+#: Exit reasons the library records (see the module docstring).
+EXIT_REASONS = ("preempted", "incompatible", "config_invalid", "storage_full", "storage_denied")
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: Seconds between two checks that the supervisor is alive.
+LIVENESS_INTERVAL_S = 1.0
 TRAINING_FILE = "training.json"
 PEER_NOTICE_FILE = "peer-notice.json"
 
@@ -49,6 +77,7 @@ _flag = threading.Event()
 _received: list[int] = []
 _installed: set[int] = set()
 _checks = [0]  # calls of preemption_requested() in this process
+_liveness = [0.0]  # monotonic time of the last supervisor liveness check
 _marked: list[str] = []  # how this process's training start was marked (at most one)
 _peer_told = threading.Event()  # this process left its peer notice
 
@@ -80,9 +109,9 @@ def write_escalation(cdir: str) -> None:
 
 
 def clear(cdir: str) -> None:
-    """Supervisor: remove the notice, escalation, peer-notice and training-start files
-    before a new attempt."""
-    for name in (NOTICE_FILE, ESCALATE_FILE, PEER_NOTICE_FILE, TRAINING_FILE):
+    """Supervisor: remove the notice, escalation, peer-notice, training-start and
+    exit-reason files before a new attempt."""
+    for name in (NOTICE_FILE, ESCALATE_FILE, PEER_NOTICE_FILE, TRAINING_FILE, EXIT_REASON_FILE):
         try:
             os.unlink(os.path.join(cdir, name))
         except FileNotFoundError:
@@ -173,6 +202,109 @@ def take_peer_notice(cdir: str) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else {}
 
 
+#: Size of the reserved exit-reason record: the supervisor allocates it before the start,
+#: so the library can record a StorageFull exit on the full disk that caused it.
+EXIT_REASON_BYTES = 4096
+
+
+def reserve_exit_reason(cdir: str) -> bool:
+    """Supervisor: allocate an empty (blank) exit-reason record before a start.
+
+    Returns:
+        False when it cannot be written (the child then writes a new file, if it can).
+    """
+    try:
+        with open(os.path.join(cdir, EXIT_REASON_FILE), "wb") as f:
+            f.write(b" " * EXIT_REASON_BYTES)
+        return True
+    except OSError:
+        return False
+
+
+def write_exit_reason(reason: str, code: int, message: str = "", cdir: str | None = None) -> None:
+    """Child: record why this process is about to exit with ``code`` (one of
+    :data:`EXIT_REASONS`); a no-op outside the supervisor.
+
+    Overwrites the supervisor's reserved record in place (no new blocks: it works on a
+    full disk), else writes a new file.  Never raises: a failing write must not turn a
+    clean exit into a traceback (the supervisor then sees no record).
+    """
+    cdir = cdir or control_dir()
+    if not cdir:
+        return
+    path = os.path.join(cdir, EXIT_REASON_FILE)
+    body = {"reason": reason, "code": int(code), "message": message[:2000], "pid": os.getpid()}
+    data = json.dumps(body).encode()[: EXIT_REASON_BYTES - 1]
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        try:
+            write_json_atomic(path, body, durable=False)
+        except OSError:
+            pass
+        return
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, data.ljust(EXIT_REASON_BYTES), 0)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_exit_reason(cdir: str) -> dict[str, Any] | None:
+    """Supervisor: the exit-reason record of the attempt's process, or None."""
+    try:
+        with open(os.path.join(cdir, EXIT_REASON_FILE), "rb") as f:
+            text = f.read().strip()
+        body = json.loads(text) if text else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict) or body.get("reason") not in EXIT_REASONS:
+        return None
+    return body
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)``: this process gets ``sig`` when its parent dies.
+
+    Returns:
+        True when set (Linux); False elsewhere.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        return bool(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def supervisor_gone() -> bool:
+    """True when this process runs under a supervisor (``CKRUN_SUPERVISOR_PID``) that no
+    longer exists (killed, OOM): the process is an orphan and should save and stop."""
+    text = os.environ.get("CKRUN_SUPERVISOR_PID", "")
+    if not text.isdigit():
+        return False
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+_pdeath_set: list[int] = []
+
+
+def _follow_parent() -> None:
+    """Under a supervisor, die (SIGTERM: a notice) with the parent, once per process."""
+    pid = os.getpid()
+    if control_dir() and os.environ.get("CKRUN_SUPERVISOR_PID") and pid not in _pdeath_set:
+        _pdeath_set.append(pid)
+        set_parent_death_signal(signal.SIGTERM)
+
+
 def _shield_from_dataloader_workers() -> None:
     """Keep DataLoader worker deaths from killing the process before its save.
 
@@ -213,6 +345,7 @@ def install_signal_handlers(force: bool = False) -> bool:
     """
     if not (force or control_dir()):
         return False
+    _follow_parent()
     if threading.current_thread() is not threading.main_thread():
         return bool(_installed)
     for sig in (signal.SIGTERM, notice_signal()):
@@ -255,6 +388,18 @@ def _local_flag() -> bool:
         mark_training("step")
     if _flag.is_set():
         return True
+    now = time.monotonic()
+    if now - _liveness[0] >= LIVENESS_INTERVAL_S:
+        _liveness[0] = now
+        if supervisor_gone():
+            print(
+                "ckrun: the supervisor (pid "
+                f"{os.environ.get('CKRUN_SUPERVISOR_PID')}) is gone: saving and stopping",
+                file=sys.stderr,
+                flush=True,
+            )
+            _flag.set()
+            return True
     if _drill_due():
         _flag.set()
         return True
@@ -300,6 +445,13 @@ def preemption_requested(sync: bool = False) -> bool:
     return agreed
 
 
+def record_notice_save(step: int) -> None:
+    """Library: a checkpoint of ``step`` was committed after a notice reached this
+    process; an exit now is a preemption with a commit (:func:`write_exit_reason`)."""
+    if _flag.is_set():
+        write_exit_reason("preempted", 75, f"checkpoint step {step} committed after the notice")
+
+
 def received_signals() -> list[int]:
     """Signal numbers received by the handler so far (for logs and tests)."""
     return list(_received)
@@ -312,3 +464,27 @@ def reset_for_tests() -> None:
     _received.clear()
     _checks[0] = 0
     _marked.clear()
+    _liveness[0] = 0.0
+
+
+def _catch_notice_early() -> None:
+    """Under a supervisor, catch the notice signal from ``import ckrun`` on.
+
+    The supervisor delivers a notice as SIGTERM when no process catches the notice
+    signal (a script without the library); a library user that is still importing
+    torch when the notice comes must not be taken for one.  Only the notice signal:
+    SIGTERM keeps its default until :func:`install_signal_handlers`, so a script that
+    imports ckrun but never checks the flag still stops on TERM.
+    """
+    if not (control_dir() and os.environ.get("CKRUN_SUPERVISOR_PID")):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    sig = notice_signal()
+    if sig not in _installed and signal.getsignal(sig) is signal.SIG_DFL:
+        signal.signal(sig, _handler)
+        _installed.add(sig)
+
+
+_follow_parent()  # at import: a torchrun worker or a wrapped script follows its parent
+_catch_notice_early()

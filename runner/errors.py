@@ -29,8 +29,10 @@ class ExitCode(IntEnum):
     INCOMPATIBLE = 4  # newest checkpoint belongs to a different experiment
     STORAGE_ERROR = 5  # checkpoint storage unusable (full, read-only, denied)
     REQUEUE_FAILED = 6  # checkpoint committed but the scheduler refused the requeue
+    SCHEDULER_ERROR = 7  # the scheduler refused or failed a call (submit, cancel, status)
     PREEMPTED = 75  # preempted, a new checkpoint was committed
     PREEMPTED_NO_CHECKPOINT = 76  # preempted, no new checkpoint (the last one stands)
+    INTERRUPTED = 130  # Ctrl-C (SIGINT): saved and stopped; `ckrun submit` resumes
 
 
 class CkrunError(Exception):
@@ -140,9 +142,10 @@ class RunComplete(CkrunError):
 
 
 class SchedulerError(CkrunError):
-    """A scheduler (Slurm, Kubernetes, local) call failed."""
+    """A scheduler (Slurm, Kubernetes, local) call failed or refused (exit 7, distinct
+    from a failed child)."""
 
-    exit_code = ExitCode.CHILD_FAILED
+    exit_code = ExitCode.SCHEDULER_ERROR
 
 
 class RequeueError(SchedulerError):
@@ -153,6 +156,8 @@ class RequeueError(SchedulerError):
 
 _ENOSPC = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _EPERM = {errno.EROFS, errno.EACCES, errno.EPERM}
+#: errnos that mean "the storage is unusable" (full, read-only, denied): exit 5.
+STORAGE_ERRNOS = frozenset(_ENOSPC | _EPERM)
 
 
 def map_os_error(exc: OSError, *, path: str, nbytes: int | None = None) -> StorageError:

@@ -114,6 +114,44 @@ class Notice:
         )
 
 
+#: A stated lead this much shorter than the provider's window is implausible by the local
+#: clock (detection lags the notice by a poll interval, not by most of the window).
+MIN_PLAUSIBLE_FRACTION = 0.25
+#: Stated leads up to this many seconds beyond the window are still believed (rounding).
+WINDOW_TOLERANCE_S = 5.0
+
+
+def believed_lead(notice: Notice, window_s: float | None) -> tuple[float, str | None]:
+    """Seconds from detection to the deadline that the supervisor believes.
+
+    A cloud notice states its deadline in UTC; a skewed local clock (or a late
+    detection) can make it look already past or implausibly close, which would leave no
+    time to save.  The stated lead ``deadline_utc - detected_at`` is believed only when
+    it lies within the provider's documented window ``window_s`` (AWS spot: 120 s, GCP:
+    30 s, Azure: the configured ``NotBefore`` lead), between
+    ``MIN_PLAUSIBLE_FRACTION * window_s`` and ``window_s + WINDOW_TOLERANCE_S``;
+    otherwise the window counts from detection and the skew is reported.
+
+    Args:
+        notice: the notice (its ``detected_at`` is the local detection time).
+        window_s: the provider's documented window, seconds; None believes any lead
+            (signals and requests, whose deadline is set locally).
+
+    Returns:
+        ``(lead_s, skew_message)``; the message is None when the stated time was believed.
+    """
+    stated = (notice.deadline_utc - notice.detected_at).total_seconds()
+    if window_s is None or window_s <= 0:
+        return max(0.0, stated), None
+    if MIN_PLAUSIBLE_FRACTION * window_s <= stated <= window_s + WINDOW_TOLERANCE_S:
+        return stated, None
+    return float(window_s), (
+        f"notice {notice.source} states a deadline {stated:+.1f} s from its detection "
+        f"(local clock skewed or detection late); using the documented {window_s:g} s "
+        "window from detection"
+    )
+
+
 @runtime_checkable
 class NoticeSource(Protocol):
     """Something the supervisor polls for notices.

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 from ckrun.notices import iso_utc, utcnow
 
@@ -62,13 +62,24 @@ class EventLog:
         path: the ``events.jsonl`` file (its directory is created).
         run: run name stamped on every line.
         attempt: initial attempt number stamped on lines (update :attr:`attempt`).
+        fallback: when given, a line that cannot be written (full disk, read-only or
+            lost state directory) goes to this stream instead of raising, with one
+            warning (the supervisor's bookkeeping never crashes the supervisor).
     """
 
-    def __init__(self, path: str, run: str, attempt: int = 0) -> None:
+    def __init__(
+        self, path: str, run: str, attempt: int = 0, *, fallback: IO[str] | None = None
+    ) -> None:
         self.path = path
         self.run = run
         self.attempt = attempt
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.fallback = fallback
+        self.failed: OSError | None = None
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        except OSError:
+            if fallback is None:
+                raise
 
     def append(
         self,
@@ -95,13 +106,27 @@ class EventLog:
             body["seconds"] = round(seconds, 6)
         body.update(fields)
         line = (json.dumps(body, sort_keys=False, default=str) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
-            if kind in DURABLE:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+                if kind in DURABLE:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if self.fallback is None:
+                raise
+            if self.failed is None:
+                print(
+                    f"[ckrun] warning: cannot append to {self.path} ({e.strerror}); "
+                    "events go to stderr until it is writable again",
+                    file=self.fallback,
+                    flush=True,
+                )
+            self.failed = e
+            self.fallback.write("[ckrun] event " + line.decode())
+            self.fallback.flush()
         return body
 
 

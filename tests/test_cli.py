@@ -188,3 +188,12 @@ def test_submit_options_after_the_script_and_script_args_after_dashdash(tmp_path
         "-n",
         "2",
     ]
+
+
+def test_config_says_the_notice_timing(tmp_path: Path) -> None:
+    # issue 11 item 4: TERM and KILL both inside grace_s, said in `ckrun config`
+    env = {"PATH": "/usr/bin:/bin", "CKRUN_GRACE_S": "20", "CKRUN_KILL_DELAY_S": "5"}
+    r = cli(["config"], tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "TERM at +13 s" in r.stdout and "KILL at +18 s" in r.stdout
+    assert "exits by +20 s at the latest" in r.stdout

@@ -121,3 +121,28 @@ def test_submit_time_values_travel_to_the_job(tmp_path: Path) -> None:
     assert env["CKRUN_ALLOW_CHANGE"] == "config.lr"
     assert "CKRUN_MAX_FAILURES" not in env  # a profile default stays with the profile
     assert "CKRUN_IMAGE" not in env  # backend options shape the Job, not the supervisor
+
+
+def test_cancel_uses_the_profiles_options(tmp_path: Path, monkeypatch: object) -> None:
+    # issue 11 item 12: `ckrun cancel` reaches the backend with the options the run was
+    # submitted with (here the Kubernetes namespace of a job id recorded without one).
+    # No Kubernetes API server runs here: the API call is recorded instead (a mock).
+    import json
+
+    import pytest
+    from ckrun.cli import commands
+    from ckrun.config import resolve
+    from ckrun.scheduler import k8s_api
+    from ckrun.supervisor.rundir import RunDir
+
+    assert isinstance(monkeypatch, pytest.MonkeyPatch)
+    opts = {"storage": str(tmp_path), "state_dir": "", "namespace": "team-a", "image": "img"}
+    cfg = resolve("k8s", opts, {}, run="r", command=("python", "train.py"))
+    rd = RunDir(cfg.state_root)
+    rd.freeze(cfg)
+    (Path(rd.job_json)).write_text(json.dumps({"backend": "k8s", "job_id": "ckrun-r"}))
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(k8s_api, "delete_job", lambda api, ns, name: calls.append((ns, name)))
+    monkeypatch.setattr("ckrun.scheduler.k8s.K8sScheduler.api", lambda self: None)
+    commands.cancel("r", str(tmp_path))
+    assert calls == [("team-a", "ckrun-r")]

@@ -268,6 +268,7 @@ class Checkpointer:
             RunLocked: another process writes this run.
             CheckpointError: the checkpoint does not fit the state (wrong model).
         """
+        pipeline.wait_retention(self._ctx)
         pipeline.acquire(self._ctx)
         t0 = time.monotonic()
         m = resume.load(
@@ -292,6 +293,7 @@ class Checkpointer:
         """The newest committed, verified (re-hashed unless this process wrote or loaded
         it), compatible manifest; None when there is none or the newest good one is
         incompatible."""
+        pipeline.wait_retention(self._ctx)
         return resume.latest(
             self._ctx,
             self.compat_block(None),
@@ -326,6 +328,9 @@ class Checkpointer:
         t0 = time.monotonic()
         m = self._save(step, state, pipeline.kind_for(self._ctx, step), metrics)
         _report_save(m, time.monotonic() - t0, "sync", self.rank)
+        from ckrun.control import record_notice_save
+
+        record_notice_save(m.step)  # after a notice: an exit now is a preemption
         return m
 
     def finalize(
@@ -387,7 +392,7 @@ class Checkpointer:
             created_utc=created,
             started=started,
         )
-        pipeline.retain(self._ctx, m)
+        pipeline.retain_later(self._ctx, m)  # after the commit, off the save's return
         return m
 
     def persist(
@@ -488,8 +493,13 @@ class Checkpointer:
         return interval.auto_for(self._ctx, lambda: self._async, mtbi_s=self._mtbi_s)
 
     def close(self) -> None:
-        """Drain an in-flight async save (raising its error), release the writer lock."""
+        """Drain an in-flight async save (raising its error) and a background retention
+        pass, release the writer lock."""
         try:
+            pipeline.wait_retention(self._ctx)
+            if self._ctx.retainer is not None:
+                self._ctx.retainer.shutdown()
+                self._ctx.retainer = None
             if self._async is not None:
                 self._async.close()
         finally:

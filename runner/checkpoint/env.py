@@ -157,6 +157,7 @@ def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | Non
         _previous(tp, value, tb)
         return
     code = int(value.exit_code)
+    _record(value, code)
     try:
         if os.environ.get("CKRUN_TRACEBACK"):
             traceback.print_exception(tp, value, tb, file=sys.stderr)
@@ -169,6 +170,32 @@ def _hook(tp: type[BaseException], value: BaseException, tb: TracebackType | Non
         sys.stderr.flush()
     finally:
         raise SystemExit(code)  # a normal exit with this status (module docstring)
+
+
+def _record(value: CkrunError, code: int) -> None:
+    """The exit-reason record that makes ``code`` ckrun's (:mod:`ckrun.control`)."""
+    from ckrun.control import write_exit_reason
+    from ckrun.errors import (
+        ExitCode,
+        IncompatibleCheckpoint,
+        StorageFull,
+        StoragePermissionError,
+    )
+
+    # Only what a restart cannot fix: a full or read-only/denied storage stops the run;
+    # other storage and checkpoint errors (a collective save that lost a rank, an I/O
+    # hiccup) stay ordinary failures, retried within the budgets.
+    if isinstance(value, IncompatibleCheckpoint):
+        reason = "incompatible"
+    elif isinstance(value, StorageFull):
+        reason = "storage_full"
+    elif isinstance(value, StoragePermissionError):
+        reason = "storage_denied"
+    elif code == ExitCode.CONFIG_INVALID:
+        reason = "config_invalid"
+    else:
+        return
+    write_exit_reason(reason, code, str(value))
 
 
 def install_excepthook() -> None:

@@ -5,6 +5,12 @@ start time go to ``locks/writer.holder.json`` right after the lock is taken, so 
 writer gets :class:`ckrun.errors.RunLocked` naming the holder.  The OS releases the lock
 when the holder dies (even by SIGKILL), so a stale holder file never blocks a new one.
 Non-local storage (S3) has no lock file; there the supervisor's lock is the guard.
+
+A ``flock`` is shared by every descriptor copied by ``fork``: a process forked by the
+holder (a DataLoader worker, a helper) keeps the lock after the holder died.  Such a
+lock whose recorded holder is a dead process of this host is stale: :func:`take_over`
+breaks it (a new lock file replaces the old one, with a log line) instead of refusing
+every later start with "being written by another process".
 """
 
 from __future__ import annotations
@@ -29,6 +35,48 @@ log = logging.getLogger(__name__)
 # this process, so a second Checkpointer on one run is told about the first one.
 _HELD: dict[str, tuple[weakref.ref[WriterLock], str]] = {}
 _HELD_LOCK = threading.Lock()
+
+
+def holder_dead(holder: dict[str, Any]) -> bool:
+    """True when ``holder`` (``host``, ``pid``) names a process of this host that is gone."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def take_over(path: str, holder: dict[str, Any], what: str) -> FileLock | None:
+    """Break the stale lock ``path`` whose recorded ``holder`` is dead and take it.
+
+    Returns:
+        The held new lock, or None when the holder is alive (or the new lock is taken
+        by someone else first).
+    """
+    if not holder_dead(holder):
+        return None
+    log.warning(
+        "%s: holder pid %s on %s is dead but the lock is still held (by a process it "
+        "forked); taking it over",
+        what,
+        holder.get("pid"),
+        holder.get("host"),
+    )
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    lock = FileLock(path, timeout=0, thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return None
+    return lock
 
 
 class WriterLock:
@@ -97,6 +145,11 @@ class WriterLock:
         except Timeout as e:
             self._unclaim()
             holder = self.holder()
+            path = self._storage.local_path(layout.WRITER_LOCK)
+            stale = take_over(path, holder, f"run {self._run!r} writer lock") if path else None
+            if stale is not None:
+                self._lock = stale
+                return self._record()
             who = (
                 ", ".join(
                     f"{k} {holder[k]}" for k in ("host", "pid", "attempt", "since") if k in holder
@@ -108,6 +161,10 @@ class WriterLock:
                 f"process ({who}); stop that process or use another run directory",
                 holder=holder,
             ) from e
+        self._record()
+
+    def _record(self) -> None:
+        assert self._lock is not None
         body = {
             "host": socket.gethostname(),
             "pid": os.getpid(),

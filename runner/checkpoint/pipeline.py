@@ -21,7 +21,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,9 @@ class CommitContext:
         verified: manifest keys this process wrote or verified (not re-hashed).
         written: the last manifest this process committed.
         complete: the run has its completion marker.
+        retaining: the retention pass of the last synchronous save, running in the
+            background (:func:`retain_later`, on the one thread of ``retainer``);
+            joined before the next save or load.
         signature: the model signature of the state last seen
             (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
             compared by the next load.
@@ -103,6 +106,8 @@ class CommitContext:
     verified: set[str] = field(default_factory=set)
     written: Manifest | None = None
     complete: bool = False
+    retaining: Future[None] | None = None
+    retainer: ThreadPoolExecutor | None = None
     signature: dict[str, Any] | None = None
 
 
@@ -142,7 +147,9 @@ def acquire(ctx: CommitContext) -> None:
 
 
 def begin(ctx: CommitContext) -> None:
-    """Before any save: the run is not complete, and this process holds the lock."""
+    """Before any save: the last save's retention has finished, the run is not
+    complete, and this process holds the lock."""
+    wait_retention(ctx)
     check_not_complete(ctx)
     acquire(ctx)
 
@@ -270,6 +277,30 @@ def make_manifest(
         tensor_layout=tensor_layout,
         key=mkey,
     )
+
+
+def retain_later(ctx: CommitContext, m: Manifest) -> None:
+    """Step 5 off the save's return (issue 19): :func:`retain` in a background thread,
+    started after ``m`` is committed (durable), joined by :func:`wait_retention` before
+    the next save or load starts and at ``Checkpointer.close``, so retention never runs
+    concurrently with a save of this process.  The thread is not a daemon: an exiting
+    interpreter finishes the pass first (a ``ThreadPoolExecutor`` worker, kept for the
+    next save: no thread start per save).  A killed process leaves at most the files of
+    one old checkpoint, which the next pass deletes (as for a kill during ``retain``)."""
+    if ctx.rank != 0:
+        return
+    wait_retention(ctx)
+    if ctx.retainer is None:
+        ctx.retainer = ThreadPoolExecutor(1, thread_name_prefix="ckrun-retention")
+    ctx.retaining = ctx.retainer.submit(retain, ctx, m)
+
+
+def wait_retention(ctx: CommitContext) -> None:
+    """Join the background retention pass of the last save, if any (errors are logged
+    by :func:`retain` itself)."""
+    f, ctx.retaining = ctx.retaining, None
+    if f is not None:
+        f.result()
 
 
 def retain(ctx: CommitContext, m: Manifest) -> None:

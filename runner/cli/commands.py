@@ -26,10 +26,11 @@ from ckrun.config import (
     is_local_storage,
     resolve,
 )
-from ckrun.errors import ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
+from ckrun.errors import CkrunError, ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
 from ckrun.notices import iso_utc, utcnow
 from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
 from ckrun.storage.fsutil import write_json_atomic
+from ckrun.supervisor.budgets import RunDirBudgets
 from ckrun.supervisor.rundir import (
     CANCEL_REQUEST,
     PREEMPT_REQUEST,
@@ -65,15 +66,16 @@ def detect_backend(env: Mapping[str, str] | None = None) -> str:
     return "local"
 
 
-def scheduler_for(backend: str, cfg: RunConfig) -> Scheduler:
-    """Instantiate ``backend``, giving it the run's options when they are its own."""
-    opts = cfg.options if cfg.scheduler == backend else None
+def scheduler_for(backend: str, cfg: RunConfig | None) -> Scheduler:
+    """Instantiate ``backend``, giving it the run's options when they are its own.
+
+    The options always reach the backend (no silent fallback to defaults): a backend
+    that cannot take them fails loudly.
+    """
+    opts = cfg.options if cfg is not None and cfg.scheduler == backend else None
     if opts is None:
         return get_scheduler(backend)
-    try:
-        return get_scheduler(backend, options=opts)
-    except TypeError:
-        return get_scheduler(backend)
+    return get_scheduler(backend, options=opts)
 
 
 def _absolute(cfg: RunConfig) -> RunConfig:
@@ -265,11 +267,23 @@ def submit(
         )
     if os.path.exists(rundir.cancelled_path):
         os.unlink(rundir.cancelled_path)
+    before = rundir.load_config()
+    budgets = RunDirBudgets(rundir.root)
+    spent = budgets.load()
     rundir.freeze(cfg)
+    budgets.reset()  # a new submission: fresh budgets (before its job can start)
     say(f"run {name}: storage {cfg.run_root}, profile {profile}")
     if local and not detach:
         return supervise(cfg, name, "local", frozen=cfg)
-    job_id = sched.submit(spec)
+    try:
+        job_id = sched.submit(spec)
+    except CkrunError:  # refused: leave the run as it was (no new frozen run.json)
+        if before is None:
+            os.unlink(rundir.run_json)
+        else:
+            rundir.freeze(before)
+            budgets.save(spent)
+        raise
     files = getattr(sched, "log_files", None)
     write_json_atomic(
         rundir.job_json,
@@ -329,9 +343,28 @@ def run(
         cfg = base
     else:
         allow = tuple(dict.fromkeys((*frozen.allow_change, *cli.get("allow_change", ()))))
-        cfg = dataclasses.replace(frozen, command=command or frozen.command, allow_change=allow)
+        storage, state_dir = relocated(frozen, base, given="storage" in cli)
+        cfg = dataclasses.replace(
+            frozen,
+            command=command or frozen.command,
+            allow_change=allow,
+            storage=storage,
+            state_dir=state_dir,
+        )
         cfg = reconcile(frozen, cfg)
     return supervise(cfg, run_name, scheduler, frozen=frozen)
+
+
+def relocated(frozen: RunConfig, found: RunConfig, *, given: bool) -> tuple[str, str]:
+    """Where the run lives now: the location it was *found* at, not the frozen one.
+
+    ``run.json`` freezes absolute paths; after the file system moved or is mounted
+    elsewhere (a new node) they are stale.  The run was found under ``found``'s state
+    root, so that state dir (and, for local storage or an explicit ``--storage``, that
+    storage) is the truth; the frozen config never redirects the run elsewhere.
+    """
+    storage = found.storage if given or is_local_storage(frozen.storage) else frozen.storage
+    return storage, found.state_dir
 
 
 def _signal_holder(holder: dict[str, Any]) -> str:
@@ -364,7 +397,8 @@ def cancel(name: str, storage: str | None) -> str:
         return f"run {name}: cancel sent to {_signal_holder(holder)}; it checkpoints and stops"
     job = read_json(rd.job_json)
     if job and job.get("backend") not in (None, "local"):
-        get_scheduler(str(job["backend"])).cancel(str(job["job_id"]))
+        # the profile's options as at submit (e.g. the Kubernetes namespace, Slurm cluster)
+        scheduler_for(str(job["backend"]), rd.load_config()).cancel(str(job["job_id"]))
         return f"run {name}: {job['backend']} job {job['job_id']} cancelled"
     return f"run {name}: no live supervisor; marked cancelled (a resubmit clears it)"
 

@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 import click
-from ckrun.errors import CkrunError, ExitCode, IncompatibleCheckpoint
+from ckrun.errors import STORAGE_ERRNOS, CkrunError, ExitCode, IncompatibleCheckpoint, map_os_error
 
 #: ``ckrun run``: everything after the first positional is the command.
 _CMD = {"ignore_unknown_options": True, "allow_interspersed_args": False}
@@ -381,6 +381,11 @@ def config_cmd(profile: str, as_json: bool) -> int:
     width = max(len(k) for k in body)
     for k, v in body.items():
         click.echo(f"{k:<{width}}  {v!s:<24} {cfg.sources.get(k, 'default')}")
+    from ckrun.supervisor.loop import policy_of
+
+    click.echo("")
+    for line in policy_of(cfg).describe():
+        click.echo(f"# {line}")
     return 0
 
 
@@ -405,6 +410,12 @@ def main(argv: list[str] | None = None) -> None:
     except CkrunError as e:
         click.echo(f"ckrun: error: {e}", err=True)
         sys.exit(int(e.exit_code))
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        err = map_os_error(e, path=e.filename or "the run's storage or state directory")
+        click.echo(f"ckrun: error: {err}", err=True)
+        sys.exit(int(err.exit_code))
     sys.exit(int(rv) if isinstance(rv, int) else 0)
 
 

@@ -131,7 +131,13 @@ def _launched_world(cfg: RunConfig) -> RunConfig:
 
 def _validate(cfg: RunConfig) -> None:
     parse_signal(cfg.notice_signal)
-    for k in ("max_requeues", "max_failures", "crash_loop_failures", "world_size"):
+    for k in (
+        "max_requeues",
+        "max_failures",
+        "crash_loop_failures",
+        "no_progress_preemptions",
+        "world_size",
+    ):
         if getattr(cfg, k) < (1 if k == "world_size" else 0):
             raise ConfigError(f"{k} must be >= {1 if k == 'world_size' else 0}")
     bad = sorted(set(cfg.notice_sources) - {"aws", "gcp", "azure"})

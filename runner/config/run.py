@@ -40,9 +40,17 @@ class RunConfig:
         state_dir: local directory for run.json, events.jsonl, control/ and locks/;
             empty means the run root (required when ``storage`` is remote).
         notice_signal: the signal that means "notice" to supervisor and child.
-        grace_s: longest time from a notice to the child's exit, seconds.
-        margin_s: TERM is sent ``margin_s`` before the notice deadline, seconds.
-        kill_delay_s: time between TERM and KILL, seconds.
+        grace_s: longest time from a notice to the supervisor's own exit, seconds: the
+            deadline is ``min(notice deadline, notice + grace_s)``; TERM and KILL both
+            land inside it.
+        margin_s: KILL lands ``margin_s`` before the deadline (the supervisor's own time
+            to check storage and requeue), seconds.
+        kill_delay_s: TERM lands ``kill_delay_s`` before KILL (half the time left when
+            the notice is shorter), seconds.
+        stray_s: once the command's process exited, processes left in its session get
+            TERM after ``stray_s`` and KILL ``stray_s`` later, seconds.
+        no_progress_preemptions: preemptions in a row without a new checkpoint that
+            stop the run (requeue-storm guard; 0: no limit).
         max_requeues: preemptions allowed before the run stops requeueing.
         max_failures: failures of the user's command allowed (total).
         crash_loop_failures: consecutive failures with no checkpoint progress that stop
@@ -74,6 +82,8 @@ class RunConfig:
     grace_s: float = 60.0
     margin_s: float = 2.0
     kill_delay_s: float = 10.0
+    stray_s: float = 2.0
+    no_progress_preemptions: int = 5
     max_requeues: int = 100
     max_failures: int = 3
     crash_loop_failures: int = 2

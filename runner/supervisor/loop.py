@@ -9,22 +9,27 @@ handlers only record the signal number; ``signal.set_wakeup_fd`` wakes the ``sel
 Each round it
 
 1. drains the recorded signals: SIGTERM and the notice signal (default USR1) become
-   notices, INT/HUP/QUIT are forwarded to the child's group, USR2 and CHLD only wake;
+   notices, SIGINT (Ctrl-C) a save-and-stop :class:`~ckrun.supervisor.messages.Interrupt`,
+   HUP/QUIT are forwarded to the child's group, USR2 and CHLD only wake;
 2. takes ``ckrun preempt`` / ``ckrun cancel`` requests from ``control/``, and a peer
    notice (``peer-notice.json``: the child's ranks agreed to stop for a notice that
    reached another node of a multi-node job, :func:`ckrun.control.write_peer_notice`),
    which drains this node like a notice of its own, without a restart in place;
 3. polls the notice sources (scheduler's, cloud, chaos);
-4. reaps with ``waitpid(-1, WNOHANG)`` (it alone waits: orphans adopted in subreaper
-   mode are reaped too); the attempt ends when the child is reaped *and* no process of
-   its session is left, then the newest commit in storage is read (the supervisor checks
-   the checkpoint itself, not the child's word).  A peer notice left before the child's
-   end is taken first, so the exit is judged as a drain's;
-5. feeds a ``Tick`` (deadlines, backoff).
+4. reaps (it alone waits: orphans adopted in subreaper mode are reaped too); while the
+   command's own process is gone but its session is not, it feeds ``LeaderExited`` (the
+   machine's stray timers decide TERM/KILL); the attempt ends when the session is empty,
+   then the newest commit in storage and the library's exit-reason record are read (the
+   supervisor checks the checkpoint itself, not the child's word).  A peer notice left
+   before the child's end is taken first, so the exit is judged as a drain's;
+5. feeds a ``Tick`` (every timer is the machine's state).
 
-Stray processes left in the session after the direct child exited without a notice get
-``grace_s`` to finish (they may be saving: a ``bash -c`` wrapper killed by a signal
-leaves the trainer behind), then TERM and, ``kill_delay_s`` later, KILL.
+The clock and the process table are arguments (:mod:`ckrun.supervisor.ports`), so the
+loop runs in tests with a fake clock and fake processes.  The signal handlers stay
+installed until the process exits (a notice signal after the end, e.g. Slurm's
+time-limit USR1 just after completion, is ignored instead of killing the supervisor).
+The run's budgets are read at start and written on each change
+(:mod:`ckrun.supervisor.budgets`).
 """
 
 from __future__ import annotations
@@ -33,36 +38,44 @@ import collections
 import dataclasses
 import datetime as dt
 import os
-import select
 import signal
 import sys
-import time
 from collections.abc import Callable
 from typing import IO, Any
 
 from ckrun import control
-from ckrun.config import RunConfig, is_local_storage, storage_env
+from ckrun.config import RunConfig
 from ckrun.errors import CkrunError
-from ckrun.notices import (
-    DRILL,
-    PREEMPTION,
-    TERMINATION,
-    TIME_LIMIT,
-    Notice,
-    NoticeSource,
-    utcnow,
-)
+from ckrun.notices import DRILL, PREEMPTION, TERMINATION, TIME_LIMIT, Notice, NoticeSource, utcnow
 from ckrun.runlog import EventLog
 from ckrun.scheduler.base import JobInfo, RequeueOutcome, Scheduler
 from ckrun.storage.base import Storage
+from ckrun.supervisor import launch, process
 from ckrun.supervisor import machine as sm
-from ckrun.supervisor import process
+from ckrun.supervisor.budgets import BudgetStore, RunBudgets, RunDirBudgets
 from ckrun.supervisor.machine import Phase, Policy, State, step
+from ckrun.supervisor.ports import Clock, MonotonicClock, OsProcessTable, ProcessTable
 from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
 
-__all__ = ["Phase", "Policy", "State", "Supervisor", "step"]  # step: the pure machine
+__all__ = ["Phase", "Policy", "State", "Supervisor", "policy_of", "step"]
 
-_FORWARD = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_FORWARD = (signal.SIGHUP, signal.SIGQUIT)
+
+
+def policy_of(cfg: RunConfig) -> Policy:
+    """The machine's :class:`Policy` from a run's config."""
+    return Policy(
+        max_requeues=cfg.max_requeues,
+        max_failures=cfg.max_failures,
+        crash_loop_failures=cfg.crash_loop_failures,
+        grace_s=cfg.grace_s,
+        margin_s=cfg.margin_s,
+        kill_delay_s=cfg.kill_delay_s,
+        backoff_s=cfg.backoff_s,
+        backoff_max_s=cfg.backoff_max_s,
+        stray_s=cfg.stray_s,
+        no_progress_preemptions=cfg.no_progress_preemptions,
+    )
 
 
 class Supervisor:
@@ -77,6 +90,11 @@ class Supervisor:
         lock: the held supervisor lock (its holder record gets the attempt number).
         out: where ``[ckrun]`` lines go (default stderr).
         tick_s: loop period in seconds.
+        clock: time and waiting (default: the monotonic clock).
+        procs: the process table (default: real processes).
+        budgets: where the run's budgets live (default: ``budgets.json`` in ``rundir``).
+        restore_signals: restore the previous signal handlers when :meth:`run` returns
+            (in-process use); by default they stay (ignoring) until the process exits.
     """
 
     def __init__(
@@ -90,33 +108,29 @@ class Supervisor:
         lock: SupervisorLock | None = None,
         out: IO[str] | None = None,
         tick_s: float = 0.2,
+        clock: Clock | None = None,
+        procs: ProcessTable | None = None,
+        budgets: BudgetStore | None = None,
+        restore_signals: bool = False,
     ) -> None:
         self.cfg, self.rundir, self.scheduler, self.job = cfg, rundir, scheduler, job
         self.sources, self.lock, self.tick_s = sources, lock, tick_s
+        self.clock: Clock = clock or MonotonicClock()
+        self.procs: ProcessTable = procs or OsProcessTable()
+        self.budgets: BudgetStore = budgets or RunDirBudgets(rundir.root)
+        self.restore_signals = restore_signals
         self.out = out or sys.stderr
         self.notice_sig = cfg.signal_number()
-        self.events = EventLog(rundir.events_path, cfg.run)
+        self.events = EventLog(rundir.events_path, cfg.run, fallback=self.out)
         self.child: process.Child | None = None
         self._storage: Storage | None = None
         self._signals: collections.deque[int] = collections.deque()
         self._queue: collections.deque[sm.Event] = collections.deque()
-        self._strays_term_at: float | None = None
-        self._strays_kill_at: float | None = None
         self._last_notice: Notice | None = None
         self._delivered: list[int] | None = None
+        self._notified: set[int] = set()
         self._wake_r = -1
-        self.state = sm.State(
-            policy=sm.Policy(
-                max_requeues=cfg.max_requeues,
-                max_failures=cfg.max_failures,
-                crash_loop_failures=cfg.crash_loop_failures,
-                grace_s=cfg.grace_s,
-                margin_s=cfg.margin_s,
-                kill_delay_s=cfg.kill_delay_s,
-                backoff_s=cfg.backoff_s,
-                backoff_max_s=cfg.backoff_max_s,
-            )
-        )
+        self.state = sm.State(policy=policy_of(cfg))
 
     # ------------------------------------------------------------ plumbing
     @property
@@ -136,11 +150,16 @@ class Supervisor:
             flush=True,
         )
 
+    def signal(self, signum: int) -> None:
+        """Record signal ``signum`` (the handler; tests call it directly)."""
+        self._signals.append(signum)
+
     def _handler(self, signum: int, frame: object) -> None:
         self._signals.append(signum)
 
     def _install(self) -> Callable[[], None]:
-        sigs = {signal.SIGTERM, self.notice_sig, signal.SIGUSR2, signal.SIGCHLD, *_FORWARD}
+        sigs = {signal.SIGTERM, self.notice_sig, signal.SIGUSR2, signal.SIGCHLD, signal.SIGINT}
+        sigs.update(_FORWARD)
         old = {s: signal.signal(s, self._handler) for s in sigs}
         r, w = os.pipe()
         os.set_blocking(r, False)
@@ -151,7 +170,10 @@ class Supervisor:
         def restore() -> None:
             signal.set_wakeup_fd(old_fd)
             for s, h in old.items():
-                signal.signal(s, h)
+                if self.restore_signals or s == signal.SIGCHLD:
+                    signal.signal(s, h)
+                else:  # the run's outcome is decided: a late notice changes nothing
+                    signal.signal(s, signal.SIG_IGN)
             os.close(r)
             os.close(w)
 
@@ -165,10 +187,24 @@ class Supervisor:
             CkrunError: storage unusable during preflight (exit 5), and similar.
         """
         restore = self._install()
-        subreaper = process.become_subreaper()
+        try:
+            return self._run()
+        finally:
+            restore()
+
+    def _run(self) -> int:
+        subreaper = self.procs.become_subreaper()
         for stale in (PREEMPT_REQUEST, CANCEL_REQUEST):  # left by a dead supervisor
             self.rundir.take_request(stale)
-        self.state = dataclasses.replace(self.state, attempt=self._prior_attempts())
+        b = self.budgets.load()
+        self.state = sm.State(
+            policy=self.state.policy,
+            attempt=launch.prior_attempts(self.rundir, self.storage),
+            preemptions=b.preemptions,
+            failures=b.failures,
+            no_progress=b.no_progress,
+            streak=b.streak,
+        )
         self.events.attempt = self.state.attempt
         job = self.job
         self.events.append(
@@ -179,6 +215,7 @@ class Supervisor:
             launch_hash=self.cfg.launch_hash(),
             job_id=job.job_id if job else None,
             rank=job.rank if job else 0,
+            budgets=dataclasses.asdict(b),
         )
         if job is not None and job.backend != "local":
             self.say(
@@ -196,19 +233,18 @@ class Supervisor:
             self._abandon()
             for src in self.sources:
                 src.close()
-            restore()
         code = int(self.state.exit_code or 0)
         self.events.append("supervisor_exit", exit_code=code, state=self.state.phase.value)
         return code
 
     def _round(self) -> None:
-        select.select([self._wake_r], [], [], self.tick_s)
+        self.clock.wait(self._wake_r, self.tick_s)
         try:
             while os.read(self._wake_r, 512):
                 pass
         except BlockingIOError:
             pass
-        now = time.monotonic()
+        now = self.clock.monotonic()
         while self._signals:
             self._on_signal(self._signals.popleft(), now)
         self._requests(now)
@@ -216,9 +252,10 @@ class Supervisor:
         for src in self.sources:
             n = src.poll()
             if n is not None:  # a cloud/scheduler notice means this machine goes away
-                self._queue.append(self._notice_event(n, now, self_term=n.kind != DRILL))
+                lead = getattr(src, "lead_s", None)
+                self._queue.append(self._notice_event(n, now, lead, self_term=n.kind != DRILL))
         self._reap(now)
-        self._queue.append(sm.Tick(time.monotonic()))
+        self._queue.append(sm.Tick(self.clock.monotonic()))
 
     def _feed(self, ev: sm.Event) -> None:
         self.state, actions = sm.step(self.state, ev)
@@ -228,9 +265,20 @@ class Supervisor:
                 self._queue.append(follow)
 
     # ------------------------------------------------------------ inputs
-    def _notice_event(self, n: Notice, now: float, **kw: Any) -> sm.NoticeEvent:
+    def _notice_event(
+        self, n: Notice, now: float, window_s: float | None = None, **kw: Any
+    ) -> sm.NoticeEvent:
+        """The notice's deadline on the monotonic clock at detection (issue 11 item 5):
+        the stated time is believed only within the provider's window
+        (:func:`ckrun.notices.believed_lead`); otherwise the window from detection."""
+        from ckrun.notices import believed_lead
+
+        lead, skew = believed_lead(n, window_s)
+        if skew:
+            self.say(skew)
+            self.events.append("notice_skew", message=skew, source=n.source)
         self._last_notice = n
-        return sm.NoticeEvent(n.kind, n.source, now + n.seconds_left(), now, **kw)
+        return sm.NoticeEvent(n.kind, n.source, now + lead, now, **kw)
 
     def _on_signal(self, sig: int, now: float) -> None:
         name = signal.Signals(sig).name
@@ -244,6 +292,8 @@ class Supervisor:
             )
             n = Notice.with_lead(kind, f"signal:{name}", self.cfg.grace_s)
             self._queue.append(self._notice_event(n, now))
+        elif sig == signal.SIGINT:
+            self._queue.append(sm.Interrupt(now))
         elif sig in _FORWARD:
             self._queue.append(sm.Forward(sig, now))
 
@@ -267,56 +317,48 @@ class Supervisor:
             self._queue.append(self._notice_event(n, now))
 
     def _reap(self, now: float) -> None:
-        reaped = process.reap()
+        reaped = self.procs.reap()
         c = self.child
         if c is None:
             return
         if c.pid in reaped:
             c.status, c.exited = reaped[c.pid], now
         if c.status is None:
-            if c.sids is not None:  # torchrun: learn the workers' sessions while it lives
-                from ckrun.supervisor.torchrun import track
-
-                track(c.pid, c.sids, now)
+            self.procs.track(c, now)
             return
-        if process.session_alive(c):
-            self._strays(c, now)
+        left = self.procs.members(c)
+        if left:
+            saving = bool(self._notified & set(left))
+            self._queue.append(sm.LeaderExited(c.status, now, saving))
             return
         self._peer_notice(now)  # a peer notice left before the end is judged first
         self.child = None
-        self._strays_term_at = self._strays_kill_at = None
         from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
 
         step, save_s = newest(self.storage)
+        why = control.read_exit_reason(self.rundir.control_dir) or {}
         self.events.append(
             "attempt_end",
             status=c.status,
             seconds=now - c.started,
             commits=attempt_commits(self.storage, self.events.attempt),
+            reason=why.get("reason"),
         )
         self._queue.append(
-            sm.ChildExited(c.status, step, is_complete(self.storage), time.monotonic(), save_s)
-        )
-
-    def _strays(self, c: process.Child, now: float) -> None:
-        """Direct child gone, session not empty: wait, TERM, KILL (see module docstring)."""
-        if self.state.phase is not sm.Phase.RUNNING:
-            return  # draining/stopping: the state machine's deadlines apply
-        assert c.exited is not None
-        if self._strays_term_at is None:
-            self._strays_term_at = c.exited + self.cfg.grace_s
-            self.say(
-                f"child exited ({c.status}) but its session has processes left; "
-                f"waiting up to {self.cfg.grace_s:g} s for them"
+            sm.ChildExited(
+                c.status,
+                step,
+                is_complete(self.storage),
+                self.clock.monotonic(),
+                save_s,
+                reason=str(why["reason"]) if why.get("reason") else None,
+                detail=str(why.get("message") or ""),
             )
-        elif self._strays_kill_at is None and now >= self._strays_term_at:
-            self._strays_kill_at = now + self.cfg.kill_delay_s
-            process.signal_session(c, signal.SIGTERM)
-        elif self._strays_kill_at is not None and now >= self._strays_kill_at:
-            process.signal_session(c, signal.SIGKILL)
+        )
 
     # ------------------------------------------------------------ actions
     def _execute(self, a: sm.Action) -> sm.Event | None:
+        c = self.child
         if isinstance(a, sm.Log):
             self._log(a)
         elif isinstance(a, sm.RunPreflight):
@@ -326,21 +368,34 @@ class Supervisor:
         elif isinstance(a, sm.WriteNotice):
             n = self._last_notice
             detail = dict(n.detail) if n is not None and n.source == a.source else {}
-            control.write_notice(
-                self.rundir.control_dir, Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
+            notice = Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
+            self._try("write notice.json", control.write_notice, self.rundir.control_dir, notice)
+        elif isinstance(a, sm.Deliver) and c is not None:
+            self._delivered = self.procs.deliver(c, self.notice_sig)
+            self._notified.update(self._delivered)
+            return sm.Delivered(len(self._delivered), self.clock.monotonic())
+        elif isinstance(a, sm.SignalGroup) and c is not None:
+            self.procs.signal_session(c, a.sig)
+        elif isinstance(a, sm.Escalate) and c is not None:
+            self._try(
+                "write the escalation mark", control.write_escalation, self.rundir.control_dir
             )
-        elif isinstance(a, sm.Deliver) and self.child is not None:
-            self._delivered = process.deliver(self.child, self.notice_sig)
-        elif isinstance(a, sm.SignalGroup) and self.child is not None:
-            process.signal_session(self.child, a.sig)
-        elif isinstance(a, sm.Escalate) and self.child is not None:
-            control.write_escalation(self.rundir.control_dir)
-            process.signal_session(self.child, signal.SIGTERM)
-        elif isinstance(a, sm.Kill) and self.child is not None:
-            process.signal_session(self.child, signal.SIGKILL)
+            self.procs.signal_session(c, signal.SIGTERM)
+        elif isinstance(a, sm.Kill) and c is not None:
+            self.procs.signal_session(c, signal.SIGKILL)
+        elif isinstance(a, sm.Persist):
+            self._persist()
         elif isinstance(a, sm.Requeue):
             return self._requeue()
         return None
+
+    def _persist(self) -> None:
+        s = self.state
+        b = RunBudgets(s.preemptions, s.failures, s.no_progress, s.streak)
+        try:
+            self.budgets.save(b)
+        except OSError as e:  # full disk: keep supervising; the count stays in memory
+            self.say(f"warning: cannot record the run's budgets ({e}); continuing")
 
     def _log(self, a: sm.Log) -> None:
         msg, fields = a.message, dict(a.fields)
@@ -362,43 +417,33 @@ class Supervisor:
         rep = preflight(self.cfg, self.rundir, self.storage)
         for w in rep.warnings:
             self.say("warning: " + w)
-        return rep.event(time.monotonic())
+        return rep.event(self.clock.monotonic())
 
-    def _child_env(self, attempt: int, resume_step: int | None) -> dict[str, str]:
-        cfg = self.cfg
-        env = dict(os.environ)
-        env.pop("CKRUN_RESUME_STEP", None)
-        root = cfg.run_root
-        if is_local_storage(root):
-            root = os.path.abspath(root.removeprefix("file://"))
-        env.update(
-            CKRUN_RUN=cfg.run,
-            CKRUN_ATTEMPT=str(attempt),
-            CKRUN_STORAGE=root,
-            CKRUN_CONTROL_DIR=self.rundir.control_dir,
-            CKRUN_GRACE_S=f"{cfg.grace_s:g}",
-            CKRUN_NOTICE_SIGNAL=self.notice_sig.name,
-            CKRUN_CONFIG_HASH=cfg.launch_hash(),
-            CKRUN_ALLOW_CHANGE=",".join(cfg.allow_change),
-        )
-        env.update(storage_env(cfg))  # endpoint_url, s3_* from the profile
-        if resume_step is not None:
-            env["CKRUN_RESUME_STEP"] = str(resume_step)
-        return env
+    def _try(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        """Bookkeeping that must not crash the supervisor (full disk, read-only mount)."""
+        try:
+            fn(*args)
+        except OSError as e:
+            self.say(f"warning: cannot {what} ({e}); continuing")
+
+    def _hold(self, attempt: int) -> None:
+        if self.lock is not None:
+            self.lock.update(attempt=attempt)
 
     def _spawn(self, a: sm.Spawn) -> sm.Event | None:
-        control.clear(self.rundir.control_dir)
+        self._try("clear control/", control.clear, self.rundir.control_dir)
+        control.reserve_exit_reason(self.rundir.control_dir)
         self.events.attempt = a.attempt
-        if self.lock is not None:
-            self.lock.update(attempt=a.attempt)
+        self._notified = set()
+        self._try("update the lock holder", self._hold, a.attempt)
         try:
-            self.child = process.spawn(
-                self._command(),
-                self._child_env(a.attempt, a.resume_step),
+            self.child = self.procs.spawn(
+                launch.command(self.cfg, self.job),
+                launch.child_env(self.cfg, self.rundir, a.attempt, a.resume_step),
                 track_tree=self.cfg.nproc_per_node * self.cfg.nnodes > 1,
             )
         except (OSError, CkrunError) as e:
-            return sm.SpawnFailed(str(e), time.monotonic())
+            return sm.SpawnFailed(str(e), self.clock.monotonic())
         for src in self.sources:
             hook = getattr(src, "attempt_started", None)
             if hook is not None:
@@ -406,22 +451,8 @@ class Supervisor:
         self.events.append("spawn", pid=self.child.pid, command=list(self.cfg.command))
         return None
 
-    def _command(self) -> tuple[str, ...]:
-        """The command to spawn: under torchrun with ``nproc_per_node``/``nnodes`` > 1
-        (:func:`ckrun.supervisor.torchrun.wrap`)."""
-        from ckrun.supervisor import torchrun
-
-        cfg = self.cfg
-        return torchrun.wrap(
-            cfg.command,
-            nproc_per_node=cfg.nproc_per_node,
-            nnodes=cfg.nnodes,
-            node_rank=self.job.rank if self.job else 0,
-            grace_s=cfg.grace_s,
-        )
-
     def _requeue(self) -> sm.Event:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self.job is None:
             return sm.Requeued(sm.RequeueResult.FAILED, "not inside a job of this scheduler", now)
         try:
@@ -433,24 +464,11 @@ class Supervisor:
             sm.RequeueResult.RESTART_HERE if restart else sm.RequeueResult.REQUEUED, "", now
         )
 
-    def _prior_attempts(self) -> int:
-        """Attempts already made in this run (events and manifests), so ids never repeat."""
-        from ckrun.runlog import read_events
-        from ckrun.supervisor.preflight import newest_attempt
-
-        seen = [
-            int(e.get("attempt", 0)) + 1
-            for e in read_events(self.rundir.events_path)
-            if e.get("kind") == "spawn"
-        ]
-        last = newest_attempt(self.storage)
-        return max([0, *seen, (last + 1) if last is not None else 0])
-
     def _abandon(self) -> None:
         """On an unexpected exit of the loop, do not leave the child running."""
         c = self.child
         if c is not None and c.status is None and self.state.exit_code is None:
-            process.signal_session(c, signal.SIGKILL)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and c.pid not in process.reap():
-                time.sleep(0.01)
+            self.procs.signal_session(c, signal.SIGKILL)
+            deadline = self.clock.monotonic() + 5
+            while self.clock.monotonic() < deadline and c.pid not in self.procs.reap():
+                self.clock.wait(self._wake_r, 0.01)

@@ -60,6 +60,11 @@ class ChildExited:
         newest_step: newest committed step in storage now (None: none).
         complete: a valid COMPLETE.json exists now.
         save_s: the newest checkpoint's own save duration (manifest), seconds.
+        reason: the exit-reason record the library wrote before exiting
+            (:func:`ckrun.control.read_exit_reason`: ``preempted``, ``incompatible``,
+            ``config_invalid``, ``storage_full``, ``storage_denied``), None without one.
+            Only a record makes an exit 3/4/5 ckrun's and a status 0 a preemption.
+        detail: the record's message.
     """
 
     status: int
@@ -67,6 +72,41 @@ class ChildExited:
     complete: bool = False
     now: float = 0.0
     save_s: float | None = None
+    reason: str | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LeaderExited:
+    """The command's own process was reaped but processes of its session are left.
+
+    Fed every round until the session is empty (then :class:`ChildExited` follows).
+
+    Attributes:
+        status: the command's exit status.
+        saving: a process that was sent the notice signal is still alive (it may be
+            writing the emergency checkpoint): the notice deadline applies, not the
+            stray timer.
+    """
+
+    status: int
+    now: float = 0.0
+    saving: bool = False
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """Result of :class:`Deliver`: how many processes were sent the notice signal."""
+
+    count: int
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """SIGINT (Ctrl-C in the foreground): a save-and-stop notice; twice stops at once."""
+
+    now: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +123,7 @@ class NoticeEvent:
 
 @dataclass(frozen=True)
 class Forward:
-    """INT, HUP or QUIT for the child's group."""
+    """HUP or QUIT for the child's group."""
 
     sig: int
     now: float = 0.0
@@ -105,7 +145,18 @@ class Requeued:
     now: float = 0.0
 
 
-Event = Preflighted | SpawnFailed | ChildExited | NoticeEvent | Forward | Tick | Requeued
+Event = (
+    Preflighted
+    | SpawnFailed
+    | ChildExited
+    | LeaderExited
+    | Delivered
+    | Interrupt
+    | NoticeEvent
+    | Forward
+    | Tick
+    | Requeued
+)
 
 
 # ---------------------------------------------------------------- actions
@@ -133,7 +184,8 @@ class WriteNotice:
 
 @dataclass(frozen=True)
 class Deliver:
-    """Send the notice signal to the child's processes that catch it."""
+    """Send the notice signal to the child's processes that catch it; feed back
+    :class:`Delivered`."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +203,11 @@ class Escalate:
 @dataclass(frozen=True)
 class Kill:
     """KILL everything left in the child's session."""
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Write the run's budgets (:mod:`ckrun.supervisor.budgets`) with the run."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +239,7 @@ Action = (
     | SignalGroup
     | Escalate
     | Kill
+    | Persist
     | Requeue
     | Log
     | Exit

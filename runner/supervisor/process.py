@@ -2,7 +2,8 @@
 
 * :func:`spawn` starts the command in its own session (``setsid``: the child is leader of
   a new session and process group whose id is its pid), with default signal dispositions
-  and an empty signal mask, so terminal signals reach only the supervisor, which decides.
+  and an empty signal mask, so terminal signals reach only the supervisor, which decides;
+  ``PR_SET_PDEATHSIG`` makes it follow a supervisor that dies.
 * :func:`deliver` sends the notice signal to every process of the child's session that
   *catches* it (``SigCgt`` in ``/proc/PID/status``): the training process gets it even
   when it is a grandchild (``bash -c 'python train.py; ...'``) while a shell wrapper or a
@@ -11,7 +12,7 @@
   ``track_tree`` (a torchrun launch) also counts its descendants in other sessions and
   their sessions (:func:`members`): torchrun starts every worker with ``setsid``.
 * :func:`signal_session` sends TERM / KILL to the child's process group and any other
-  process left in its session.
+  process left in its session, once per process.
 * :func:`reap` collects every exited child with ``waitpid(-1, WNOHANG)``; the supervisor
   alone waits.  In subreaper mode (:func:`become_subreaper`, ``prctl(2)``
   ``PR_SET_CHILD_SUBREAPER``) and as PID 1 orphaned descendants are re-parented to the
@@ -28,10 +29,12 @@ import ctypes.util
 import os
 import signal
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+PR_SET_PDEATHSIG = 1
 
 #: Signals reset to their default action in the child (Python ignores SIGPIPE and
 #: SIGXFSZ; the supervisor handles the rest).
@@ -87,39 +90,79 @@ def spawn(
     *,
     output_fd: int | None = None,
     track_tree: bool = False,
+    death_signal: int = signal.SIGTERM,
 ) -> Child:
     """Start ``argv`` in a new session with environment ``env``.
 
+    ``fork`` + ``execvpe`` (not ``posix_spawn``) so the child can set
+    ``PR_SET_PDEATHSIG`` before the exec: when the supervisor dies (SIGKILL, the OOM
+    killer) the child gets ``death_signal`` (SIGTERM: the library saves and stops; a
+    plain script stops) instead of running on as an orphan.  The exec failure comes back
+    through a close-on-exec pipe, so a missing command raises here, in the parent.
+
     Args:
-        argv: the command; ``argv[0]`` is looked up on ``PATH``.
+        argv: the command; ``argv[0]`` is looked up on ``PATH`` of ``env``.
         env: the complete environment of the child.
         output_fd: when given, the child's stdout and stderr go to this descriptor
             (detached mode); otherwise they are inherited (output streams through).
         track_tree: also signal and wait for descendants that left the session
             (torchrun's workers; :func:`members`).
+        death_signal: signal sent to the child when the supervisor dies (0: none).
 
     Raises:
         OSError: the command cannot be executed (``ENOENT``, ``EACCES``); the message
             names the command.
     """
-    actions = None
-    if output_fd is not None:
-        actions = [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
-    try:
-        pid = os.posix_spawnp(
-            argv[0],
-            list(argv),
-            dict(env),
-            file_actions=actions,
-            setsid=True,
-            setsigmask=(),
-            setsigdef=_RESET_SIGNALS,
-        )
-    except OSError as e:
-        raise OSError(e.errno, f"cannot run {argv[0]!r}: {e.strerror}") from e
+    argv = list(argv)
+    env = dict(env)
+    parent = os.getpid()
+    r, w = os.pipe()  # both close-on-exec (PEP 446)
+    with warnings.catch_warnings():  # 3.12+ warns about fork() with threads; we exec at once
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child, replaced by the exec
+        code = 0
+        try:
+            os.close(r)
+            os.setsid()
+            if death_signal:
+                _prctl(PR_SET_PDEATHSIG, int(death_signal))
+                if os.getppid() != parent:  # the supervisor died before the prctl
+                    os._exit(128 + int(death_signal))
+            for sig in _RESET_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            if output_fd is not None:
+                os.dup2(output_fd, 1)
+                os.dup2(output_fd, 2)
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:
+            code = e.errno or 1
+        except BaseException:
+            code = 1
+        try:
+            os.write(w, str(code).encode())
+        finally:
+            os._exit(127)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        failed = f.read()
+    if failed:
+        os.waitpid(pid, 0)
+        err = int(failed or b"1")
+        raise OSError(err, f"cannot run {argv[0]!r}: {os.strerror(err)}")
     return Child(
         pid=pid, argv=tuple(argv), started=time.monotonic(), sids=set() if track_tree else None
     )
+
+
+def _prctl(option: int, arg: int) -> bool:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def exit_status(wait_status: int) -> int:
@@ -231,7 +274,14 @@ def signal_session(child: Child, sig: int) -> int:
     except (ProcessLookupError, PermissionError):
         pass
     child.signalled.append(sig)
-    return sum(_kill(p, sig) for p in members(child))
+    # killpg reached the group; the rest (other groups of the session, a tracked
+    # tree's sessions) individually: every process gets the signal once
+    return sum(_kill(p, sig) for p in members(child) if _pgrp(p) != child.pgid)
+
+
+def _pgrp(pid: int) -> int | None:
+    st = _stat_fields(pid)
+    return st[1] if st is not None else None
 
 
 def session_alive(child: Child) -> bool:

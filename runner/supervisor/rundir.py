@@ -24,8 +24,9 @@ import socket
 from types import TracebackType
 from typing import Any
 
+from ckrun.checkpoint.lock import holder_dead, take_over
 from ckrun.config import RunConfig
-from ckrun.errors import ConfigError, RunLocked
+from ckrun.errors import ConfigError, RunLocked, map_os_error
 from ckrun.notices import iso_utc, utcnow
 from ckrun.storage.fsutil import write_json_atomic
 from filelock import FileLock, Timeout
@@ -102,9 +103,17 @@ class RunDir:
         self.holder_path = os.path.join(self.locks_dir, f"supervisor{sfx}.json")
 
     def create(self) -> None:
-        """Create the directory tree (idempotent)."""
+        """Create the directory tree (idempotent).
+
+        Raises:
+            StorageError: the state directory cannot be written (read-only, denied,
+                full: exit 5); the message names the path and the fix.
+        """
         for d in (self.root, self.control_dir, self.locks_dir):
-            os.makedirs(d, exist_ok=True)
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise map_os_error(e, path=d) from e
 
     def exists(self) -> bool:
         """True when the run has been frozen (``run.json`` exists)."""
@@ -113,7 +122,10 @@ class RunDir:
     def freeze(self, cfg: RunConfig) -> None:
         """Write ``cfg`` to ``run.json`` atomically."""
         self.create()
-        write_json_atomic(self.run_json, cfg.to_json())
+        try:
+            write_json_atomic(self.run_json, cfg.to_json())
+        except OSError as e:
+            raise map_os_error(e, path=self.run_json) from e
 
     def load_config(self) -> RunConfig | None:
         """The frozen config, or None when the run was never frozen.
@@ -138,17 +150,14 @@ class RunDir:
         lock = FileLock(self.lock_path, timeout=0)
         try:
             lock.acquire(timeout=0)
-        except Timeout as e:
+        except Timeout as e:  # (a TimeoutError, so an OSError: caught first)
             holder = read_json(self.holder_path) or {}
-            where = str((read_json(self.run_json) or {}).get("storage") or "")
-            at = f" --storage {where}" if where else ""
-            raise RunLocked(
-                f"run {run!r} is alive: supervisor pid {holder.get('pid', '?')} on host "
-                f"{holder.get('host', '?')} (attempt {holder.get('attempt', '?')}, since "
-                f"{holder.get('started_utc', '?')}) holds {self.lock_path}; use "
-                f"`ckrun status {run}{at}` or `ckrun cancel {run}{at}`, or pick another --run",
-                holder=holder,
-            ) from e
+            stale = take_over(self.lock_path, holder, f"run {run!r} supervisor lock")
+            if stale is None:
+                raise self._locked(run, holder) from e
+            lock = stale
+        except OSError as e:
+            raise map_os_error(e, path=self.lock_path) from e
         holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -158,8 +167,23 @@ class RunDir:
             "started_utc": iso_utc(utcnow()),
         }
         held = SupervisorLock(self, lock, holder)
-        held.update()
+        try:
+            held.update()
+        except OSError as e:
+            held.release()
+            raise map_os_error(e, path=self.holder_path) from e
         return held
+
+    def _locked(self, run: str, holder: dict[str, Any]) -> RunLocked:
+        where = str((read_json(self.run_json) or {}).get("storage") or "")
+        at = f" --storage {where}" if where else ""
+        return RunLocked(
+            f"run {run!r} is alive: supervisor pid {holder.get('pid', '?')} on host "
+            f"{holder.get('host', '?')} (attempt {holder.get('attempt', '?')}, since "
+            f"{holder.get('started_utc', '?')}) holds {self.lock_path}; use "
+            f"`ckrun status {run}{at}` or `ckrun cancel {run}{at}`, or pick another --run",
+            holder=holder,
+        )
 
     def live_holder(self) -> dict[str, Any] | None:
         """The holder record when a live supervisor holds the lock, else None."""
@@ -169,7 +193,8 @@ class RunDir:
         try:
             probe.acquire(timeout=0)
         except Timeout:
-            return read_json(self.holder_path) or {"pid": None}
+            holder = read_json(self.holder_path) or {"pid": None}
+            return None if holder_dead(holder) else holder
         probe.release(force=True)
         return None
 

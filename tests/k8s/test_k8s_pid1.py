@@ -271,7 +271,11 @@ def test_requeue_cycle_resumes_in_a_new_pod(tmp_path: Path, pods: list[Pod]) -> 
 def test_a_trainer_that_ignores_the_notice_is_stopped_before_sigkill(
     tmp_path: Path, pods: list[Pod]
 ) -> None:
-    """No save: TERM at the drain deadline, exit 76 before terminationGracePeriodSeconds."""
+    """No save: TERM kill_delay_s before KILL, KILL margin_s before the deadline (issue 11
+    item 4: both inside ckrun's grace), exit 76 before terminationGracePeriodSeconds."""
+    from ckrun.supervisor.state import Policy
+
+    term_at, _ = Policy(grace_s=GRACE_S - MARGIN_S).escalation(0.0, GRACE_S - MARGIN_S)
     pod = Pod(tmp_path, "deaf", ["--ignore-notice"])
     pods.append(pod)
     pod.wait_for(r"step 5\b")
@@ -280,7 +284,7 @@ def test_a_trainer_that_ignores_the_notice_is_stopped_before_sigkill(
     rc = pod.wait(GRACE_S + 10)
     elapsed = time.monotonic() - t0
     assert rc == 76, pod.text()
-    assert GRACE_S - MARGIN_S - 3 < elapsed < GRACE_S, elapsed
+    assert term_at - 0.5 < elapsed < GRACE_S, elapsed
     assert _commits(pod.storage, "deaf") == []
 
 

@@ -258,7 +258,9 @@ def test_changed_launch_of_a_frozen_run_is_refused(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
 
 
-def test_int_is_forwarded_and_stops_the_run(tmp_path: Path, procs: Start) -> None:
+def test_hup_is_forwarded_and_stops_the_run(tmp_path: Path, procs: Start) -> None:
+    # SIGINT is Ctrl-C now (save and stop, issue 11 item 1: tests/supervisor/test_lifecycle.py);
+    # HUP and QUIT are still forwarded and stop the run without a restart.
     sup = procs(
         [
             "submit",
@@ -274,9 +276,9 @@ def test_int_is_forwarded_and_stops_the_run(tmp_path: Path, procs: Start) -> Non
         tmp_path,
     )
     sup.wait_line("^up$")
-    sup.proc.send_signal(signal.SIGINT)
+    sup.proc.send_signal(signal.SIGHUP)
     assert sup.wait(timeout=30) == 1
-    assert "forwarded SIGINT" in sup.text and "not restarting" in sup.text
+    assert "forwarded SIGHUP" in sup.text and "not restarting" in sup.text
 
 
 @pytest.mark.slow

@@ -81,3 +81,23 @@ def test_goodput_lost_work_and_saving_time(tmp_path: Path) -> None:
     assert (fail["interruption"], fail["lost_s"], fail["lost_steps"]) == ("failure", 5.0, 50)
     text = runstatus.render(s)
     assert "goodput 62.4%" in text and "lost 5.0 s / 50 steps" in text
+
+
+def test_a_killed_supervisor_is_not_reported_as_preempted(tmp_path: Path) -> None:
+    # issue 11 item 2: the first supervisor exited PREEMPTED; the second one was SIGKILLed
+    # (no supervisor_exit, no live lock holder): its run is not PREEMPTED
+    cfg = resolve("local", {"storage": str(tmp_path)}, {}, run="r", command=("true",))
+    rd = RunDir(cfg.state_root)
+    rd.freeze(cfg)
+    evs: list[dict[str, Any]] = [
+        {"utc": at(0), "attempt": 0, "kind": "supervisor_start"},
+        {"utc": at(0), "attempt": 0, "kind": "spawn"},
+        {"utc": at(9), "attempt": 0, "kind": "attempt_end", "status": 75, "commits": []},
+        {"utc": at(9), "attempt": 0, "kind": "supervisor_exit", "state": "PREEMPTED"},
+        {"utc": at(20), "attempt": 1, "kind": "supervisor_start"},
+        {"utc": at(20), "attempt": 1, "kind": "spawn"},
+    ]
+    Path(rd.events_path).write_text("".join(json.dumps(e) + "\n" for e in evs))
+    s = runstatus.summarize(rd)
+    assert s["state"] == "SUPERVISOR_DIED" and s["exit_code"] is None
+    assert "its supervisor was killed" in runstatus.render(s)

@@ -95,42 +95,63 @@ TABLE = [
         running(),
         sm.ChildExited(1, 20, False, 5.0),
         Phase.RUNNING,
-        ["Log:child_exit", "Log:backoff"],
+        ["Persist", "Log:child_exit", "Log:backoff"],
     ),
     (
         "child fails, budget spent",
         running(failures=3),
         sm.ChildExited(1, 20, False, 5.0),
         Phase.FAILED,
-        ["Log:child_exit", "Log:failed", "Exit:1"],
+        ["Persist", "Log:child_exit", "Log:failed", "Exit:1"],
     ),
     (
         "child fails, no progress (crash loop)",
         running(no_progress=1),
         sm.ChildExited(1, 10, False, 5.0),
         Phase.FAILED,
-        ["Log:child_exit", "Log:failed", "Exit:1"],
+        ["Persist", "Log:child_exit", "Log:failed", "Exit:1"],
     ),
     (
-        "child exits 4",
+        "child exits 4 with the library's record",
         running(),
-        sm.ChildExited(4, 10),
+        sm.ChildExited(4, 10, reason="incompatible"),
         Phase.INCOMPATIBLE,
         ["Log:child_exit", "Log:incompatible", "Exit:4"],
     ),
     (
-        "child exits 3",
+        "child exits 4 on its own: a failure (issue 11 item 8)",
         running(),
-        sm.ChildExited(3, 10),
+        sm.ChildExited(4, 10),
+        Phase.RUNNING,
+        ["Persist", "Log:child_exit", "Log:backoff"],
+    ),
+    (
+        "child exits 3 with the library's record",
+        running(),
+        sm.ChildExited(3, 10, reason="config_invalid"),
         Phase.FAILED,
         ["Log:child_exit", "Log:failed", "Exit:3"],
+    ),
+    (
+        "child exits 3 on its own: a failure",
+        running(),
+        sm.ChildExited(3, 10),
+        Phase.RUNNING,
+        ["Persist", "Log:child_exit", "Log:backoff"],
+    ),
+    (
+        "child exits 5 with StorageFull's record: stop, not retried (item 10)",
+        running(),
+        sm.ChildExited(5, 10, reason="storage_full", detail="no space left"),
+        Phase.FAILED,
+        ["Log:child_exit", "Log:failed", "Exit:5"],
     ),
     (
         "child exits 75 on its own",
         running(),
         sm.ChildExited(75, 11, False, 5.0),
         Phase.PREEMPTED,
-        ["Log:child_exit", "Log:preempted", "Requeue"],
+        ["Persist", "Log:child_exit", "Log:preempted", "Requeue"],
     ),
     (
         "notice",
@@ -158,7 +179,7 @@ TABLE = [
         draining(),
         sm.ChildExited(75, 11, False, 101.0, 0.4),
         Phase.PREEMPTED,
-        ["Log:child_exit", "Log:preempted", "Requeue"],
+        ["Persist", "Log:child_exit", "Log:preempted", "Requeue"],
     ),
     (
         "deadline minus margin",
@@ -167,7 +188,15 @@ TABLE = [
         Phase.STOPPING,
         ["Escalate", "Log:escalate"],
     ),
-    ("before the margin nothing", draining(), sm.Tick(127.9), Phase.DRAINING, []),
+    # item 4: KILL at deadline - margin (128), TERM kill_delay (5 s) before it
+    ("before TERM nothing", draining(), sm.Tick(122.9), Phase.DRAINING, []),
+    (
+        "TERM kill_delay before deadline minus margin",
+        draining(),
+        sm.Tick(123.0),
+        Phase.STOPPING,
+        ["Escalate", "Log:escalate"],
+    ),
     (
         "stopping kill delay",
         draining(phase=Phase.STOPPING, kill_at=133.0),
@@ -180,7 +209,7 @@ TABLE = [
         draining(phase=Phase.STOPPING, kill_at=133.0),
         sm.ChildExited(143, 10, False, 131.0),
         Phase.PREEMPTED,
-        ["Log:child_exit", "Log:preempted", "Requeue"],
+        ["Persist", "Log:child_exit", "Log:preempted", "Requeue"],
     ),
 ]
 
@@ -291,3 +320,118 @@ def test_attempt_ids_are_zero_based_and_continue() -> None:
 def test_terminal_states_ignore_events() -> None:
     s, _ = sm.step(st(), sm.Preflighted("complete"))
     assert sm.step(s, sm.NoticeEvent("drill", "cli", 1.0)) == (s, [])
+
+
+# ---------------------------------------------------------------- issue 11
+def test_notice_while_the_requeue_is_pending_counts_once() -> None:
+    # item 9: PREEMPTED waits for Requeued; a notice then is logged, not counted again
+    s, acts = sm.step(draining(), sm.ChildExited(75, 11, False, 101.0))
+    assert s.phase is Phase.PREEMPTED and isinstance(acts[-1], sm.Requeue)
+    s2, acts2 = sm.step(s, sm.NoticeEvent("termination", "signal:SIGTERM", 200.0, 102.0))
+    assert s2.preemptions == s.preemptions and kinds(acts2) == ["Log:notice"]
+
+
+def test_notice_during_preflight_does_not_start_the_command() -> None:
+    s, acts = sm.step(st(), sm.NoticeEvent("drill", "cli", 999.0, 1.0))
+    assert s.notice_pending and kinds(acts) == ["Log:notice"]
+    s, acts = sm.step(s, sm.Preflighted("ready", 7, now=2.0))
+    assert s.phase is Phase.PREEMPTED and s.preemptions == 1
+    assert not any(isinstance(a, sm.Spawn) for a in acts) and isinstance(acts[-1], sm.Requeue)
+
+
+def test_second_notice_during_back_off_counts_once() -> None:
+    s = running(child=False, respawn_at=50.0)
+    s, _ = sm.step(s, sm.NoticeEvent("drill", "cli", 999.0, 10.0))
+    s2, acts = sm.step(s, sm.NoticeEvent("drill", "cli", 999.0, 11.0))
+    assert s2.preemptions == 1 and kinds(acts) == ["Log:notice"]
+
+
+def test_exit_0_after_an_unacknowledged_notice_is_completed() -> None:
+    # item 13: no exit-reason record: the script finished, it is not requeued
+    s, acts = sm.step(draining(), sm.ChildExited(0, 10, False, 105.0))
+    assert s.phase is Phase.COMPLETED and acts[-1] == sm.Exit(0)
+    # with the library's record ("preempted") it is a preemption
+    s, acts = sm.step(draining(), sm.ChildExited(0, 11, False, 105.0, reason="preempted"))
+    assert s.phase is Phase.PREEMPTED
+
+
+def test_no_process_catches_the_notice_then_term_at_once() -> None:
+    s, acts = sm.step(draining(), sm.Delivered(0, 100.0))
+    assert acts[0] == sm.SignalGroup(int(signal.SIGTERM))
+    assert sm.step(draining(), sm.Delivered(2, 100.0))[1] == []
+
+
+def test_strays_timers() -> None:
+    # item 3: TERM stray_s after the command's exit, KILL stray_s later, unless saving
+    s, acts = sm.step(running(), sm.LeaderExited(0, 10.0))
+    assert s.strays_term_at == 12.0 and kinds(acts) == ["Log:strays"]
+    assert sm.step(s, sm.Tick(11.9))[1] == []
+    s, acts = sm.step(s, sm.Tick(12.0))
+    assert acts[0] == sm.SignalGroup(int(signal.SIGTERM)) and s.strays_kill_at == 14.0
+    s, acts = sm.step(s, sm.Tick(14.0))
+    assert acts[0] == sm.Kill()
+    saving, _ = sm.step(draining(), sm.LeaderExited(0, 101.0, saving=True))
+    assert saving.strays_term_at is None  # a notified process may still be saving
+
+
+def test_ctrl_c_once_saves_twice_kills() -> None:
+    s, acts = sm.step(running(), sm.Interrupt(100.0))
+    assert s.phase is Phase.DRAINING and s.cancel and s.ctrl_c
+    assert isinstance(acts[0], sm.WriteNotice) and isinstance(acts[1], sm.Deliver)
+    s2, acts2 = sm.step(s, sm.Interrupt(102.0))
+    assert acts2[0] == sm.Kill()
+    s3, acts3 = sm.step(s, sm.ChildExited(75, 11, False, 103.0))
+    assert s3.phase is Phase.CANCELLED and acts3[-1] == sm.Exit(130)
+
+
+def test_no_progress_preemption_streak_stops_and_backs_off() -> None:
+    # item 7: the streak grows on preemptions without a new checkpoint, backs off from
+    # the second one, and stops the run at the limit; progress resets it
+    p = dataclasses.replace(P, no_progress_preemptions=3, max_requeues=100)
+    s = dataclasses.replace(running(), policy=p)
+    s1, acts = sm.step(s, sm.ChildExited(75, 10, False, 5.0))
+    assert s1.streak == 1 and isinstance(acts[-1], sm.Requeue)
+    s2, acts = sm.step(
+        dataclasses.replace(s1, phase=Phase.RUNNING, child=True), sm.ChildExited(75, 10, False, 6.0)
+    )
+    assert s2.streak == 2 and s2.requeue_at == 7.0 and "Requeue" not in kinds(acts)
+    assert sm.step(s2, sm.Tick(7.0))[1] == [sm.Requeue()]
+    s3, acts = sm.step(
+        dataclasses.replace(s2, phase=Phase.RUNNING, child=True, requeue_at=None),
+        sm.ChildExited(143, 10, False, 9.0),
+    )
+    assert s3.phase is Phase.FAILED and acts[-1] == sm.Exit(1) and "requeue storm" in s3.why
+    ok, _ = sm.step(
+        dataclasses.replace(s2, phase=Phase.RUNNING, child=True, requeue_at=None),
+        sm.ChildExited(75, 12, False, 9.0, reason="preempted"),
+    )
+    assert ok.streak == 0
+    # a new supervisor with the persisted streak does not start the command
+    s4, acts = sm.step(dataclasses.replace(st(), policy=p, streak=3), sm.Preflighted("ready", 10))
+    assert s4.phase is Phase.FAILED and not any(isinstance(a, sm.Spawn) for a in acts)
+
+
+def test_budget_changes_are_persisted_first() -> None:
+    _, acts = sm.step(running(), sm.ChildExited(1, 20, False, 5.0))
+    assert isinstance(acts[0], sm.Persist)
+    _, acts = sm.step(running(), sm.NoticeEvent("drill", "cli", 1000.0, 100.0))
+    assert not any(isinstance(a, sm.Persist) for a in acts)
+
+
+def test_only_the_record_makes_an_own_exit_75_a_preemption_with_a_commit() -> None:
+    # item 8: without a notice, a 75 with a newer step in storage but no record is a
+    # preemption without a commit (76, streak); with the library's record it is 75
+    s, _ = sm.step(running(), sm.ChildExited(75, 11, False, 5.0))
+    assert s.pending_code == 76 and s.streak == 1
+    s, _ = sm.step(running(), sm.ChildExited(75, 11, False, 5.0, reason="preempted"))
+    assert s.pending_code == 75 and s.streak == 0
+
+
+def test_drills_do_not_extend_the_no_progress_streak() -> None:
+    # a chaos/`ckrun preempt` drill before the first step re-saves the resumed step
+    s, _ = sm.step(draining(streak=2), sm.ChildExited(75, 10, False, 101.0))
+    assert s.phase is Phase.PREEMPTED and s.streak == 2
+    s, _ = sm.step(
+        draining(streak=2, notice_kind="preemption"), sm.ChildExited(75, 10, False, 101.0)
+    )
+    assert s.streak == 3

@@ -1,0 +1,376 @@
+"""Issue 11 end to end: the supervisor under field failures, with real processes, real
+signals, a real pty, real mounts and the loopback AWS metadata server."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sv_helpers import CHILD, FAST_ENV, Ckrun, expected_w
+
+Start = Callable[..., Ckrun]
+PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cloud"))
+
+
+def events(root: Path) -> list[dict[str, Any]]:
+    path = root / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def kinds(root: Path) -> list[str]:
+    return [e["kind"] for e in events(root)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def ckrun(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120):
+    full = dict(os.environ, **FAST_ENV, **(env or {}))
+    full.pop("CKRUN_CONTROL_DIR", None)
+    return subprocess.run(
+        [PY, "-m", "ckrun.cli", *args],
+        cwd=cwd,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# ------------------------------------------------------------------- item 1
+@pytest.mark.slow
+def test_ctrl_c_through_a_real_pty_saves_cancels_and_resubmit_resumes(tmp_path: Path) -> None:
+    env = dict(os.environ, **FAST_ENV)
+    env.pop("CKRUN_CONTROL_DIR", None)
+    args = ["submit", "--run", "cc", "--storage", "runs", CHILD, "--steps", "120",
+            "--step-s", "0.03"]  # fmt: skip
+    argv = [PY, "-m", "ckrun.cli", *args]
+    pid, fd = pty.fork()
+    if pid == 0:  # the foreground process of a new terminal, as in an interactive shell
+        os.chdir(tmp_path)
+        os.execve(PY, argv, env)
+    out = b""
+    sent = False
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        r, _, _ = select.select([fd], [], [], 0.1)
+        if r:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError as e:  # EIO: the terminal's last process closed it
+                assert e.errno == errno.EIO
+                break
+            if not chunk:
+                break
+            out += chunk
+        if not sent and b"step 5\r\n" in out:
+            os.write(fd, b"\x03")  # Ctrl-C: the kernel sends SIGINT to the foreground group
+            sent = True
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    text = out.decode(errors="replace")
+    assert sent, text
+    assert os.waitstatus_to_exitcode(status) == 130, text
+    assert "on notice" in text and "Ctrl-C" in text, text
+    root = tmp_path / "runs" / "cc"
+    assert "cancelled" in kinds(root)
+    pre = [e for e in events(root) if e["kind"] == "cancelled"][-1]
+    assert pre["new_checkpoint"] is True and pre["step"] >= 5
+    again = ckrun(args, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed {pre['step']} " in again.stdout
+    assert f"done {expected_w(120)}" in again.stdout
+
+
+# ------------------------------------------------------------------- item 2
+@pytest.mark.slow
+def test_sigkill_of_the_supervisor_takes_the_tree_down_and_resubmit_resumes(
+    tmp_path: Path, procs: Start
+) -> None:
+    args = ["submit", "--run", "k", "--storage", "runs", CHILD, "--steps", "100",
+            "--step-s", "0.03", "--save-every", "10"]  # fmt: skip
+    sup = procs(args, tmp_path)
+    sup.wait_line(r"^step 15$")
+    root = tmp_path / "runs" / "k"
+    child = next(e["pid"] for e in events(root) if e["kind"] == "spawn")
+    sup.proc.kill()  # SIGKILL: no handler runs in the supervisor
+    sup.wait()
+    assert wait_until(lambda: not alive(child), 5.0), "the child outlived its supervisor"
+    assert "on notice" in sup.text  # PR_SET_PDEATHSIG: SIGTERM, a notice to the library
+    again = ckrun(args, tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "being written by another process" not in again.stdout + again.stderr
+    assert "resumed None" not in again.stdout
+    assert f"done {expected_w(100)}" in again.stdout
+
+
+def test_dead_holder_of_the_writer_lock_is_taken_over(tmp_path: Path) -> None:
+    # A writer recorded itself as holder and died; the lock is still held by a process
+    # that does not write (here flock(1), as a descriptor inherited outside Python's fork
+    # hooks would): the next writer takes the stale lock over, with a log line.
+    prog = (
+        "import os, ckrun\n"
+        "from ckrun.checkpoint.lock import WriterLock\n"
+        "from ckrun.storage import open_storage\n"
+        f"lk = WriterLock(open_storage({str(tmp_path)!r}), run='r', attempt=0)\n"
+        "lk.acquire(); print(lk._storage.local_path('locks/writer.lock'), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    first = subprocess.run([PY, "-c", prog], capture_output=True, text=True, timeout=30)
+    path = first.stdout.strip()
+    assert os.path.exists(path), first.stderr
+    holder = subprocess.Popen(["flock", path, "sleep", "30"])  # waits out the probes below
+    take = (
+        "import logging, ckrun\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from ckrun.checkpoint.lock import WriterLock\n"
+        "from ckrun.storage import open_storage\n"
+        f"lk = WriterLock(open_storage({str(tmp_path)!r}), run='r', attempt=1)\n"
+        "lk.acquire(); print('took', lk.held, flush=True)\n"
+    )
+    try:
+        held = ["flock", "-n", path, "true"]  # exits 1 while another holds the lock
+        assert wait_until(lambda: subprocess.run(held).returncode == 1, 10.0)
+        r = subprocess.run([PY, "-c", take], capture_output=True, text=True, timeout=30)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.stdout.strip() == "took True", r.stderr
+    assert "taking it over" in r.stderr
+
+
+# ------------------------------------------------------------------- item 3
+def test_a_stray_sleep_does_not_delay_the_exit(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    r = ckrun(
+        ["submit", "--run", "s", "--storage", "runs", "--grace", "60", "--",
+         "sh", "-c", "sleep 1000 & echo stray $!; exit 0"],
+        tmp_path,
+        timeout=40,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    stray = int(r.stdout.split("stray ")[1].split()[0])
+    assert not alive(stray)
+    assert took < 10.0, f"took {took:.1f} s"
+
+
+# ------------------------------------------------------------------- item 5
+@pytest.mark.slow
+def test_a_notice_stamped_5_minutes_in_the_past_still_yields_a_checkpoint(
+    tmp_path: Path, procs: Start
+) -> None:
+    from metaservers import AwsImds
+
+    srv = AwsImds()
+    try:
+        env = {
+            "CKRUN_NOTICE_SOURCES": "aws",
+            "CKRUN_AWS_POLL_INTERVAL_S": "5",
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": srv.url,
+        }
+        sup = procs(["run", "--run", "sk", "--storage", "runs", "--", PY, CHILD,
+                     "--steps", "500", "--step-s", "0.03"], tmp_path, env)  # fmt: skip
+        sup.wait_line(r"^step 5$")
+        srv.arm(deadline_s=-300)  # the stated time is 5 minutes ago by this clock
+        assert sup.wait(timeout=60) == 75, sup.text
+    finally:
+        srv.close()
+    root = tmp_path / "runs" / "sk"
+    assert "notice_skew" in kinds(root)
+    pre = next(e for e in events(root) if e["kind"] == "preempted")
+    assert pre["new_checkpoint"] is True, sup.text
+    assert "on notice" in sup.text
+
+
+# ------------------------------------------------------------------- item 6
+def test_a_notice_signal_after_the_end_does_not_change_the_outcome(tmp_path: Path) -> None:
+    # The command leaves a process in its own session (not a stray) that waits for the
+    # run's "completed" event and then sends the notice signal to the supervisor as fast
+    # as it can until the supervisor is gone (Slurm's time-limit USR1 just after the end).
+    spam = (
+        'sup=$PPID; ev="$CKRUN_CONTROL_DIR/../events.jsonl"; setsid sh -c "'
+        "until grep -q '\\\"completed\\\"' $ev; do sleep 0.002; done; "
+        'while kill -USR1 $sup 2>/dev/null; do :; done" >/dev/null 2>&1 &'
+    )
+    r = ckrun(["submit", "--run", "late", "--storage", "runs", "--", "sh", "-c",
+               f"{spam} exit 0"], tmp_path, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert kinds(tmp_path / "runs" / "late").count("spawn") == 1
+
+
+# ------------------------------------------------------------------- item 7
+def test_exit_75_at_every_start_stops_across_separate_runs(tmp_path: Path) -> None:
+    # Each `ckrun run` is one start (the command stops its supervisor, as a node going
+    # away would); the streak persists with the run, the 3rd start stops the run.
+    cmd = ["--", "sh", "-c", "kill -TERM $PPID; sleep 5; exit 75"]
+    env = {"CKRUN_NO_PROGRESS_PREEMPTIONS": "3"}
+    codes = [
+        ckrun(["run", "--run", "st", "--storage", "runs", *cmd], tmp_path, env).returncode
+        for _ in range(4)
+    ]
+    root = tmp_path / "runs" / "st"
+    assert codes == [76, 76, 1, 1]
+    assert kinds(root).count("spawn") == 3
+    failed = [e for e in events(root) if e["kind"] == "failed"]
+    assert failed and all("requeue storm" in e["message"] for e in failed)
+    assert json.loads((root / "budgets.json").read_text())["streak"] == 3
+
+
+# ------------------------------------------------------------------- item 8
+def test_a_script_exiting_4_on_its_own_is_a_failure_not_incompatible(tmp_path: Path) -> None:
+    r = ckrun(["submit", "--run", "x4", "--storage", "runs", "--", "sh", "-c", "exit 4"], tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert "incompatible" not in kinds(tmp_path / "runs" / "x4")
+    assert "crash loop" in r.stderr
+
+
+def test_scheduler_refusal_exits_7_and_leaves_no_run_json(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(
+        "#!/bin/sh\necho 'sbatch: error: Invalid partition name specified' >&2\nexit 1\n"
+    )
+    sbatch.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = ckrun(["submit", "--profile", "slurm", "--run", "ref", "--storage", "runs", "--",
+               "true"], tmp_path, env)  # fmt: skip
+    assert r.returncode == 7, r.stderr
+    assert "Invalid partition" in r.stderr
+    assert not (tmp_path / "runs" / "ref" / "run.json").exists()
+
+
+# ------------------------------------------------------------------- item 10
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done: list[Path] = []
+
+    def make(name: str, opts: str) -> Path:
+        p = tmp_path / name
+        p.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(p)], check=True)
+        done.append(p)
+        return p
+
+    yield make
+    for p in done:
+        subprocess.run(["umount", "-l", str(p)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write until the file system is full (unbuffered, so nothing is left to flush)."""
+    fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for size in (1 << 16, 1 << 10, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_read_only_storage_exits_5_with_the_fix(tmp_path: Path, mount: Callable[..., Path]) -> None:
+    ro = mount("ro", "ro,size=1m")
+    r = ckrun(["submit", "--run", "r", "--storage", str(ro), "--", "true"], tmp_path)
+    assert r.returncode == 5, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "make the storage writable or choose another --storage" in r.stderr
+
+
+def test_full_storage_at_submit_exits_5_with_the_fix(
+    tmp_path: Path, mount: Callable[..., Path]
+) -> None:
+    full = mount("full", "size=1m")
+    fill(full)
+    r = ckrun(["submit", "--run", "r", "--storage", str(full), "--", "true"], tmp_path)
+    assert r.returncode == 5, r.stderr
+    assert "Traceback" not in r.stderr and "free space" in r.stderr
+
+
+@pytest.mark.slow
+def test_disk_full_during_the_run_stops_with_5_not_a_crash_loop(
+    tmp_path: Path, mount: Callable[..., Path], procs: Start
+) -> None:
+    disk = mount("disk", "size=4m")
+    sup = procs(["submit", "--run", "r", "--storage", str(disk), CHILD, "--steps", "500",
+                 "--step-s", "0.03"], tmp_path)  # fmt: skip
+    sup.wait_line(r"^step 5$")
+    fill(disk)
+    sup.proc.send_signal(signal.SIGUSR1)  # a notice: the child's save hits the full disk
+    assert sup.wait(timeout=60) == 5, sup.text
+    assert "Traceback" not in sup.text
+    assert "storage error, not restarting" in sup.text and "free space" in sup.text
+    assert sup.text.count("started, ") == 1
+
+
+# ------------------------------------------------------------------- item 11
+@pytest.mark.slow
+def test_a_moved_run_directory_resumes_from_its_own_checkpoints(
+    tmp_path: Path, procs: Start
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    cmd = ["--", PY, CHILD, "--steps", "60", "--step-s", "0.03", "--save-every", "10"]
+    first = procs(["run", "--run", "mv", "--storage", str(a / "runs"), *cmd], tmp_path)
+    first.wait_line(r"^step 25$")
+    first.proc.send_signal(signal.SIGTERM)  # the node goes away: checkpoint and exit 75
+    assert first.wait(timeout=60) == 75, first.text
+    saved = int(first.wait_line(r"^saved (\d+) on notice").group(1))
+    os.rename(a, b)  # the file system is mounted elsewhere now
+    again = ckrun(["run", "--run", "mv", "--storage", str(b / "runs")], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed {saved} " in again.stdout
+    assert f"done {expected_w(60)}" in again.stdout
+    assert not a.exists()
+    frozen = json.loads((b / "runs" / "mv" / "run.json").read_text())
+    assert frozen["storage"] == str(b / "runs")
+
+
+# ------------------------------------------------------------------- item 13
+def test_plain_script_finishing_after_a_notice_is_completed_not_restarted(
+    tmp_path: Path, procs: Start
+) -> None:
+    prog = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: print('got TERM', flush=True))\n"
+        "print('up', flush=True); time.sleep(1.5); print('finished', flush=True)\n"
+    )
+    sup = procs(["submit", "--run", "plain", "--storage", "runs", "--", PY, "-c", prog], tmp_path)
+    sup.wait_line("^up$")
+    sup.proc.send_signal(signal.SIGUSR1)
+    assert sup.wait(timeout=60) == 0, sup.text
+    assert "got TERM" in sup.text  # nothing catches USR1: the notice came as TERM at once
+    assert sup.text.count("finished") == 1
+    root = tmp_path / "runs" / "plain"
+    assert kinds(root).count("spawn") == 1 and "completed" in kinds(root)
