@@ -14,7 +14,9 @@ exp_avg_sq, so the weights are a third of the bytes):
 GB/s are 10^9 bytes per second; ratios are computed within the run.  Extra RSS during
 the ckrun save is sampled every 2 ms from /proc/self/statm.
 
-Usage: python bench/checkpoint.py [--size-gib 1] [--dir /tmp/ckrun-bench] [--json OUT]
+Usage: python bench/checkpoint.py [--size-gib 0.25] [--throttle-mbps 150] [--repeats 2]
+           (issue 19: one table per disk regime, quiet and throttled; bench/regimes.py)
+       python bench/checkpoint.py --issue2 [--size-gib 1] [--dir /tmp/ckrun-bench] [--json OUT]
        python bench/checkpoint.py --sizes 0.25,1[,4] [--repeats 3] [--compute-s 3]
            (issue 7: the side-by-side table with async saves, safetensors and DCP; see
            bench/checkpoint_async.py)
@@ -277,32 +279,67 @@ def table(r: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gib", type=float, default=1.0, help="state size in GiB [1]")
+    ap.add_argument("--size-gib", type=float, default=0.25, help="state size in GiB [0.25]")
     ap.add_argument("--dir", default="/tmp/ckrun-bench", help="scratch directory (removed)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
+    ap.add_argument(
+        "--throttle-mbps",
+        type=float,
+        default=150.0,
+        help="also run on a loop device limited to this many MB/s (bench/throttle.py; "
+        "needs root); 0: the quiet disk only [150]",
+    )
+    ap.add_argument(
+        "--issue2",
+        action="store_true",
+        help="issue 2's single table instead (ckrun writers against the disk)",
+    )
     ap.add_argument(
         "--sizes",
         default=None,
         help="issue 7's side-by-side table instead (bench/checkpoint_async.py): "
         "comma-separated GiB, e.g. 0.25,1 or 0.25,1,4",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="runs per figure (median) [3]")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds per figure (median)")
     ap.add_argument(
         "--compute-s", type=float, default=3.0, help="seconds of matmul per compute-loop figure [3]"
     )
     a = ap.parse_args()
+    out: Any
     if a.sizes:
         import checkpoint_async as ca
 
         rows = []
         for size in (float(x) for x in a.sizes.split(",")):
-            rows.append(ca.run(size, a.dir, a.repeats, a.compute_s))
+            rows.append(ca.run(size, a.dir, a.repeats or 3, a.compute_s))
             print(f"# {size:g} GiB done", file=sys.stderr, flush=True)
         print(ca.table(rows))
-        out: Any = rows
-    else:
+        out = rows
+    elif a.issue2:
         out = run(a.size_gib, a.dir)
         print(table(out))
+    else:
+        import tempfile
+
+        import regimes
+        import throttle
+
+        # a fresh probe per run (its GB/s in the table), not one remembered in ~/.cache
+        os.environ.setdefault("CKRUN_CACHE_DIR", tempfile.mkdtemp(prefix="ckrun-bench-probe-"))
+        out = {}
+        reps = a.repeats or 2
+        out["quiet"] = regimes.run(a.size_gib, a.dir, reps)
+        print(regimes.table(out["quiet"], f"quiet disk: {a.dir}"), flush=True)
+        if a.throttle_mbps > 0:
+            size = int(max(1 << 30, 5 * out["quiet"]["state_bytes"] + (512 << 20)))
+            scratch = os.path.dirname(os.path.abspath(a.dir))
+            with throttle.throttled_dir(scratch, size, a.throttle_mbps) as (d, how):
+                out["throttled"] = regimes.run(a.size_gib, os.path.join(d, "b"), reps)
+                out["throttled"]["throttle"] = how
+            print()
+            print(
+                regimes.table(out["throttled"], f"throttled disk: {a.throttle_mbps:g} MB/s, {how}")
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

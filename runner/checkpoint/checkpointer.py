@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 import torch
 from ckrun.checkpoint import collective as distributed
 from ckrun.checkpoint import layout, pipeline, resume
-from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint import signature as sig
 from ckrun.checkpoint.compat import git_state, normalize
 from ckrun.checkpoint.discovery import committed_final, completion
@@ -56,6 +55,7 @@ from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle
+from ckrun.checkpoint.sharding import Planned
 from ckrun.checkpoint.state import state_compat
 from ckrun.errors import (
     ConfigError,
@@ -259,11 +259,20 @@ class Checkpointer:
 
     # -- load: ckrun.checkpoint.resume ----------------------------------------------
 
-    def load(self, state: MutableMapping[str, Any]) -> Manifest | None:
+    def load(
+        self, state: MutableMapping[str, Any], *, from_dcp: str | None = None
+    ) -> Manifest | None:
         """Restore the newest good, compatible checkpoint into ``state`` in place.
 
+        Args:
+            from_dcp: a ``torch.distributed.checkpoint`` directory that seeds ``state``
+                when the run has no checkpoint yet (its own checkpoints win, so a
+                requeued run resumes where it stopped); see
+                :mod:`ckrun.checkpoint.dcp_interop`.
+
         Returns:
-            Its manifest, or None when there is nothing to resume (empty run root).
+            Its manifest, or None when there is nothing to resume (empty run root;
+            ``state`` seeded from ``from_dcp`` when given).
 
         Raises:
             IncompatibleCheckpoint: the newest readable checkpoint's compat differs in a
@@ -271,6 +280,7 @@ class Checkpointer:
             RunLocked: another process writes this run.
             CheckpointError: the checkpoint does not fit the state (wrong model).
         """
+        pipeline.wait_retention(self._ctx)
         pipeline.acquire(self._ctx)
         t0 = time.monotonic()
         m = resume.load(
@@ -283,6 +293,11 @@ class Checkpointer:
             resume_step=self.resume_step,
             skipped=self.skipped,
         )
+        if m is None and from_dcp is not None:
+            from ckrun.checkpoint.dcp_interop import load_dcp
+
+            load_dcp(state, from_dcp)
+            log.info("no checkpoint in %s: state seeded from DCP %s", self.storage.url, from_dcp)
         _report_training_start(m, time.monotonic() - t0, self.rank)
         return m
 
@@ -290,6 +305,7 @@ class Checkpointer:
         """The newest committed, verified (re-hashed unless this process wrote or loaded
         it), compatible manifest; None when there is none or the newest good one is
         incompatible."""
+        pipeline.wait_retention(self._ctx)
         return resume.latest(
             self._ctx,
             self.compat_block(None),
@@ -300,8 +316,9 @@ class Checkpointer:
 
     # -- save -----------------------------------------------------------------------
 
-    def snapshot(self, state: Mapping[str, Any], *, copy: bool = False) -> fmt.Snapshot:
-        """Step 1 of a save: the state (and RNG) flattened for persisting.
+    def snapshot(self, state: Mapping[str, Any], *, copy: bool = False) -> Planned:
+        """Step 1 of a save: the state (and RNG) flattened and cut into this rank's shard
+        entries (a collective with more than one rank, :mod:`ckrun.checkpoint.sharding`).
 
         Args:
             copy: clone tensors to host now (for a persist that overlaps training).
@@ -390,13 +407,13 @@ class Checkpointer:
             created_utc=created,
             started=started,
         )
-        pipeline.retain(self._ctx, m)
+        pipeline.retain_later(self._ctx, m)  # after the commit, off the save's return
         return m
 
     def persist(
         self,
         step: int,
-        snap: fmt.Snapshot,
+        snap: Planned,
         *,
         kind: str,
         compat: dict[str, Any],
@@ -491,8 +508,13 @@ class Checkpointer:
         return interval.auto_for(self._ctx, lambda: self._async, mtbi_s=self._mtbi_s)
 
     def close(self) -> None:
-        """Drain an in-flight async save (raising its error), release the writer lock."""
+        """Drain an in-flight async save (raising its error) and a background retention
+        pass, release the writer lock."""
         try:
+            pipeline.wait_retention(self._ctx)
+            if self._ctx.retainer is not None:
+                self._ctx.retainer.shutdown()
+                self._ctx.retainer = None
             if self._async is not None:
                 self._async.close()
         finally:

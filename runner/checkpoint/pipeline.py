@@ -21,12 +21,12 @@ import logging
 import platform
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from ckrun.checkpoint import collective, layout, retention
+from ckrun.checkpoint import collective, layout, retention, sharding
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.compat import normalize
@@ -87,6 +87,9 @@ class CommitContext:
         verified: manifest keys this process wrote or verified (not re-hashed).
         written: the last manifest this process committed.
         complete: the run has its completion marker.
+        retaining: the retention pass of the last synchronous save, running in the
+            background (:func:`retain_later`, on the one thread of ``retainer``);
+            joined before the next save or load.
         signature: the model signature of the state last seen
             (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
             compared by the next load.
@@ -107,6 +110,8 @@ class CommitContext:
     verified: set[str] = field(default_factory=set)
     written: Manifest | None = None
     complete: bool = False
+    retaining: Future[None] | None = None
+    retainer: ThreadPoolExecutor | None = None
     signature: dict[str, Any] | None = None
     fence: Fence | None = None
 
@@ -157,7 +162,9 @@ def acquire(ctx: CommitContext) -> None:
 
 
 def begin(ctx: CommitContext) -> None:
-    """Before any save: the run is not complete, and this process holds the lock."""
+    """Before any save: the last save's retention has finished, the run is not
+    complete, and this process holds the lock."""
+    wait_retention(ctx)
     check_not_complete(ctx)
     acquire(ctx)
 
@@ -172,19 +179,22 @@ def already_committed(ctx: CommitContext, step: int, kind: str) -> Manifest | No
     return None
 
 
-def snapshot(ctx: CommitContext, state: Mapping[str, Any], *, copy: bool = False) -> fmt.Snapshot:
-    """Step 1: the state (and RNG) flattened for persisting.
+def snapshot(
+    ctx: CommitContext, state: Mapping[str, Any], *, copy: bool = False
+) -> sharding.Planned:
+    """Step 1: the state (and RNG) flattened and cut into this rank's shard entries
+    (:func:`ckrun.checkpoint.sharding.plan`: a collective with more than one rank).
 
     Args:
         copy: clone tensors to host now (for a persist that overlaps training).
     """
-    return fmt.snapshot(capture(state, rng=ctx.rng), copy=copy)
+    return sharding.plan(fmt.snapshot(capture(state, rng=ctx.rng), copy=copy), ctx.group)
 
 
 def persist(
     ctx: CommitContext,
     step: int,
-    snap: fmt.Snapshot,
+    snap: sharding.Planned,
     *,
     kind: str,
     compat: dict[str, Any],
@@ -205,11 +215,12 @@ def persist(
 
     kind = ManifestKind(kind)  # a ManifestKind, or its value
 
-    def make(shards: tuple[ShardInfo, ...], mkey: str) -> Manifest:
-        return make_manifest(ctx, step, kind, shards, compat, metrics, created_utc, started, mkey)
+    def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
+        return make_manifest(
+            ctx, step, kind, shards, compat, metrics, created_utc, started, mkey, lay
+        )
 
     if ctx.world_size > 1:  # collective: every rank's shard, rank 0 commits
-        collective.refuse_sharded_tensors(snap)
         m = collective.persist(ctx, step, snap, kind=kind, make_manifest=make)
         ctx.verified.add(m.key)
         ctx.written = m
@@ -224,14 +235,19 @@ def persist(
         return m
     area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
     key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
-    size, checksum = fmt.write_object((open_shard or ctx.storage.open_write)(key), snap)
+    out = sharding.write_object((open_shard or ctx.storage.open_write)(key), snap)
+    size, checksum = out.size_bytes, out.checksum
     info = ctx.storage.head(key)
     if info is None or info.size_bytes != size:
         raise StorageError(
             f"{key}: committed shard reads back as {info}, expected "
             f"{size} bytes; the storage lost the write"
         )
-    m = make((ShardInfo(key, ctx.rank, size, checksum),), layout.manifest_key(step, area))
+    m = make(
+        (ShardInfo(key, ctx.rank, size, checksum),),
+        layout.manifest_key(step, area),
+        sharding.merge_layout([sharding.layout_part(snap, out)]),
+    )
     mkey = m.key
     m = commit_manifest(ctx.storage, m, ctx.fence)  # conditional create, fenced
     ctx.verified.add(mkey)
@@ -250,6 +266,7 @@ def make_manifest(
     created_utc: str,
     started: float,
     mkey: str,
+    tensor_layout: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest committing ``shards`` (built just before it is written)."""
     return Manifest(
@@ -272,9 +289,34 @@ def make_manifest(
         },
         compat_drift=tuple(ctx.drift),
         signature=ctx.signature,
+        tensor_layout=tensor_layout,
         lease_epoch=ctx.lease_epoch,
         key=mkey,
     )
+
+
+def retain_later(ctx: CommitContext, m: Manifest) -> None:
+    """Step 5 off the save's return (issue 19): :func:`retain` in a background thread,
+    started after ``m`` is committed (durable), joined by :func:`wait_retention` before
+    the next save or load starts and at ``Checkpointer.close``, so retention never runs
+    concurrently with a save of this process.  The thread is not a daemon: an exiting
+    interpreter finishes the pass first (a ``ThreadPoolExecutor`` worker, kept for the
+    next save: no thread start per save).  A killed process leaves at most the files of
+    one old checkpoint, which the next pass deletes (as for a kill during ``retain``)."""
+    if ctx.rank != 0:
+        return
+    wait_retention(ctx)
+    if ctx.retainer is None:
+        ctx.retainer = ThreadPoolExecutor(1, thread_name_prefix="ckrun-retention")
+    ctx.retaining = ctx.retainer.submit(retain, ctx, m)
+
+
+def wait_retention(ctx: CommitContext) -> None:
+    """Join the background retention pass of the last save, if any (errors are logged
+    by :func:`retain` itself)."""
+    f, ctx.retaining = ctx.retaining, None
+    if f is not None:
+        f.result()
 
 
 def retain(ctx: CommitContext, m: Manifest) -> None:

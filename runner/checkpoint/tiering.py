@@ -163,6 +163,10 @@ class TieredStorage:
         tier = self.local if self.local.head(key) is not None else self.remote
         return tier.open_read(key)
 
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        tier = self.local if self.local.head(key) is not None else self.remote
+        tier.read_into(key, offset, buf)
+
     def head(self, key: str) -> ObjectInfo | None:
         return self.local.head(key) or self.remote.head(key)
 

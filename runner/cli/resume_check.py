@@ -201,7 +201,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     Raises:
         CheckpointError: the run has no final checkpoint (it did not complete).
     """
-    from ckrun.checkpoint import discovery
+    from ckrun.checkpoint import discovery, reshard
     from ckrun.checkpoint.env import open_storage_from_env
     from ckrun.checkpoint.manifest import ManifestKind
     from ckrun.checkpoint.shard_reader import read_shard
@@ -216,8 +216,11 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
     m = finals[0]
     tree: dict[str, Any] = {"step": m.step}
     for s in sorted(m.shards, key=lambda s: s.rank):
-        with storage.open_read(s.key) as f:
-            shard = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+        if m.tensor_layout is not None:  # format 2: global tensors span the shards
+            shard = reshard.full_state(storage, m, s.rank)
+        else:
+            with storage.open_read(s.key) as f:
+                shard = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
         tree.update(shard if m.world_size == 1 else {f"rank{s.rank}": shard})
     return m.step, tree
 

@@ -142,6 +142,16 @@ class Storage(Protocol):
         """Open ``key`` for streaming reads (a binary file-like object)."""
         ...
 
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with bytes ``[offset, offset + len(buf))`` of ``key`` (a ranged
+        read: local ``preadv``, S3 ``GetObject`` with ``Range``).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+            StorageError: the object ends before ``offset + len(buf)`` (names the key).
+        """
+        ...
+
     def local_path(self, key: str) -> str | None:
         """The POSIX path of ``key`` when the backend is a local filesystem, else None."""
         ...

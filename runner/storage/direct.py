@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,29 @@ CHUNK = 32 << 20  # bytes per O_DIRECT request of an ArenaWriter
 INFLIGHT = 2  # requests an ArenaWriter queues on its I/O thread
 
 
+_free: dict[int, list[mmap.mmap]] = {}  # staging buffers kept for the next writer, by size
+_free_lock = threading.Lock()
+KEEP_FREE = 8  # buffers of each size kept (2 * STAGE_BYTES whatever the depth: 32 MiB)
+
+
+def _take(size: int, n: int) -> list[mmap.mmap]:
+    """``n`` page-aligned staging buffers of ``size`` bytes, reused when a writer gave
+    some back: a fresh mapping costs a page fault per 4 KiB on its first fill (about
+    10 ms per save of the 32 MiB here, more under load; issue 19, small states)."""
+    with _free_lock:
+        pool = _free.setdefault(size, [])
+        got = [pool.pop() for _ in range(min(n, len(pool)))]
+    return got + [mmap.mmap(-1, size) for _ in range(n - len(got))]
+
+
+def _give_back(bufs: list[mmap.mmap]) -> None:
+    with _free_lock:
+        for b in bufs:
+            pool = _free.setdefault(len(b), [])
+            if len(pool) < KEEP_FREE:
+                pool.append(b)
+
+
 def _address(mv: memoryview) -> int | None:
     """Address of a writable contiguous buffer (tensor memory), None for read-only ones."""
     if mv.readonly or not mv.c_contiguous or not len(mv):
@@ -43,18 +67,31 @@ def _address(mv: memoryview) -> int | None:
 class DirectWriter(LocalWriter):
     """A :class:`LocalWriter` that writes through ``O_DIRECT`` (see module docstring).
 
+    Args:
+        depth: ``O_DIRECT`` writes kept outstanding (each from its own staging buffer
+            of ``STAGE_BYTES * 2 // depth`` bytes, rounded to a block, at an explicit
+            offset with ``pwrite``), chosen per storage location by
+            :mod:`ckrun.storage.probe`; 1 is the classic double buffer (one write in
+            flight while the caller fills the other buffer).  Staging memory stays
+            about ``2 * STAGE_BYTES`` (32 MiB) whatever the depth.
+
     Raises:
         ckrun.storage.local.DirectUnsupported: the filesystem refuses ``O_DIRECT``.
     """
 
-    def __init__(self, storage: LocalRoot, key: str):
+    def __init__(self, storage: LocalRoot, key: str, *, depth: int = 1):
         super().__init__(storage, key, write_behind=False, extra_flags=os.O_DIRECT)
-        self._bufs = [mmap.mmap(-1, STAGE_BYTES) for _ in range(2)]
+        self.depth = max(1, depth)
+        nbuf = self.depth + 1
+        size = max(BLOCK, (2 * STAGE_BYTES // nbuf) // BLOCK * BLOCK)
+        self._stage = size
+        self._bufs = _take(size, nbuf)
         self._addrs = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in self._bufs]
-        self._pending: list[Future[int] | None] = [None, None]
+        self._pending: list[Future[int] | None] = [None] * nbuf
         self._cur = 0
         self._fill = 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckrun-odirect")
+        self._off = 0  # file offset of the current buffer's first byte
+        self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="ckrun-odirect")
 
     def _wait(self, i: int) -> None:
         f = self._pending[i]
@@ -65,20 +102,38 @@ class DirectWriter(LocalWriter):
             except OSError as e:
                 raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
 
-    def _write_all(self, i: int, n: int) -> int:
+    def _write_all(self, i: int, n: int, off: int) -> int:
         assert self._fd is not None
         mv = memoryview(self._bufs[i])[:n]
         done = 0
-        while done < n:
-            done += os.write(self._fd, mv[done:])
+        while done < n:  # one thread writes in order; several write at their offsets
+            if self.depth == 1:
+                done += os.write(self._fd, mv[done:])
+            else:
+                done += os.pwrite(self._fd, mv[done:], off + done)
         return done
 
     def _submit(self, n: int) -> None:
         i = self._cur
-        self._pending[i] = self._pool.submit(self._write_all, i, n)
-        self._cur = 1 - i
-        self._wait(self._cur)  # the other buffer must be on disk before it is refilled
+        self._pending[i] = self._pool.submit(self._write_all, i, n, self._off)
+        self._off += n
+        self._cur = (i + 1) % len(self._bufs)
+        self._wait(self._cur)  # the next buffer must be on disk before it is refilled
         self._fill = 0
+
+    def _write_small(self, n: int) -> None:
+        """Write the first ``n`` staged bytes through the page cache (``O_DIRECT``
+        cleared with ``fcntl(F_SETFL)``): for an object smaller than one staging buffer
+        a thread hand-off, block padding and ``ftruncate`` cost more than the write;
+        the commit's fsync makes it durable all the same (issue 19, small states)."""
+        import fcntl
+
+        assert self._fd is not None
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        mv = memoryview(self._bufs[self._cur])[:n]
+        done = 0
+        while done < n:
+            done += os.write(self._fd, mv[done:])
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         """Copy ``data`` into the staging buffers, writing each full one (bytes)."""
@@ -89,15 +144,15 @@ class DirectWriter(LocalWriter):
         src = _address(mv)
         off = 0
         while off < total:
-            k = min(STAGE_BYTES - self._fill, total - off)
-            if src is not None:  # ctypes.memmove releases the GIL: the writer thread runs
+            k = min(self._stage - self._fill, total - off)
+            if src is not None:  # ctypes.memmove releases the GIL: the writer threads run
                 ctypes.memmove(self._addrs[self._cur] + self._fill, src + off, k)
             else:
                 self._bufs[self._cur][self._fill : self._fill + k] = mv[off : off + k]
             self._fill += k
             off += k
-            if self._fill == STAGE_BYTES:
-                self._submit(STAGE_BYTES)
+            if self._fill == self._stage:
+                self._submit(self._stage)
         self.bytes_written += total
         return total
 
@@ -107,13 +162,17 @@ class DirectWriter(LocalWriter):
             raise StorageError(f"commit of {self.key} after commit/abort")
         try:
             n = self._fill
-            if n:
+            small = self._off == 0  # still all in the first buffer (or empty)
+            if small:
+                self._write_small(n)  # one buffered write, no I/O thread, no truncate
+            elif n:
                 padded = -(-n // BLOCK) * BLOCK
                 self._bufs[self._cur][n:padded] = bytes(padded - n)
                 self._submit(padded)
-            self._wait(0)
-            self._wait(1)
-            os.ftruncate(self._fd, self.bytes_written)
+            for i in range(len(self._bufs)):
+                self._wait(i)
+            if not small:
+                os.ftruncate(self._fd, self.bytes_written)
         except OSError as e:
             self.abort()
             raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
@@ -129,12 +188,14 @@ class DirectWriter(LocalWriter):
         for f in self._pending:
             if f is not None:
                 f.exception()
-        self._pending = [None, None]
+        self._pending = [None] * len(self._bufs)
         self._close_pool()
         super().abort()
 
     def _close_pool(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # no write in flight: the buffers are free again
+        bufs, self._bufs = self._bufs, []
+        _give_back(bufs)
 
 
 def _max_rate() -> float:

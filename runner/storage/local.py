@@ -14,6 +14,8 @@ the disk's limit without filling the page cache.  Where ``O_DIRECT`` is refused 
 or with ``direct=False`` they go through the page cache and start write-back early with
 ``sync_file_range(2)`` every :data:`WRITE_BEHIND_BYTES`, waiting for the window before
 the previous one, so the final fsync has little left to do and dirty pages stay bounded.
+The writer (``O_DIRECT`` with one or several writes outstanding, or write-behind) is
+chosen per location by a short measured probe, remembered (:mod:`ckrun.storage.probe`).
 Measurements: bench/README.md.
 """
 
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import IO
 
 from ckrun.errors import ObjectNotFound, StorageError, map_os_error
+from ckrun.storage import probe
 from ckrun.storage.base import ObjectInfo, ObjectWriter
 from ckrun.storage.direct import ArenaWriter, DirectWriter
 from ckrun.storage.local_writer import (
@@ -61,6 +64,7 @@ class LocalStorage:
         self.url = path
         self.write_behind = write_behind
         self.direct = direct
+        self._choice: probe.WriterChoice | None = None
         self.root = os.path.abspath(path)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -73,11 +77,31 @@ class LocalStorage:
     def _path(self, key: str) -> str:
         return object_path(self.root, key)
 
-    def open_write(self, key: str) -> LocalWriter:
-        """Start a streaming, atomic write to ``key`` (see :class:`LocalWriter`)."""
-        if self.direct:
+    def writer_choice(self) -> probe.WriterChoice:
+        """The streaming writer of this location (:mod:`ckrun.storage.probe`: the
+        ``CKRUN_WRITER`` override, a remembered probe, or a new probe).  With
+        ``direct=False``, or where ``O_DIRECT`` is refused, always write-behind.
+
+        Raises:
+            ConfigError: CKRUN_WRITER is malformed.
+        """
+        if self.direct and self._choice is None:
             try:
-                return DirectWriter(self, key)
+                self._choice = probe.choose(self.root)
+            except DirectUnsupported:
+                self.direct = False
+        if not self.direct:
+            return probe.WriterChoice("writebehind", 1, "config")
+        assert self._choice is not None
+        return self._choice
+
+    def open_write(self, key: str) -> LocalWriter:
+        """Start a streaming, atomic write to ``key`` (see :class:`LocalWriter`) with the
+        writer :meth:`writer_choice` names."""
+        c = self.writer_choice()
+        if c.mode == "direct":
+            try:
+                return DirectWriter(self, key, depth=c.depth)
             except DirectUnsupported:
                 self.direct = False
         return LocalWriter(self, key, write_behind=self.write_behind)
@@ -166,6 +190,27 @@ class LocalStorage:
             return open(self._path(key), "rb", buffering=0)
         except OSError as e:
             raise _read_error(e, key, self.url) from e
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset`` of ``key`` with ``preadv`` (see ``Storage``)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise _read_error(e, key, self.url) from e
+        try:
+            done, n = 0, len(buf)
+            while done < n:
+                got = os.preadv(fd, [buf[done : done + (64 << 20)]], offset + done)
+                if not got:
+                    raise StorageError(
+                        f"{self.url}/{key}: ends before byte {offset + n} "
+                        f"(read {offset + done}); the object is truncated"
+                    )
+                done += got
+        except OSError as e:
+            raise _read_error(e, key, self.url) from e
+        finally:
+            os.close(fd)
 
     def local_path(self, key: str) -> str | None:
         """The absolute path of ``key``."""

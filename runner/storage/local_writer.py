@@ -89,17 +89,21 @@ def object_path(root: str, key: str) -> str:
     return os.path.join(root, *validate_key(key).split("/"))
 
 
-def make_dirs(root: str, d: str) -> None:
-    """Create ``d`` (under ``root``) and fsync each new entry's parent so it persists.
+def make_dirs(root: str, d: str, *, sync: bool = True) -> list[str]:
+    """Create ``d`` (under ``root``); returns the parents of the new entries, deepest
+    first, and fsyncs them now unless ``sync`` is False (then the caller must fsync them
+    before relying on ``d``: :meth:`LocalWriter.commit` does, after the file's own
+    fsync, so one journal commit covers the new directories and the file on ext4).
 
     Raises:
-        StorageError: a directory cannot be created.
+        StorageError: a directory cannot be created or synced.
     """
     missing: list[str] = []
     cur = d
     while not os.path.isdir(cur) and cur != root:
         missing.append(cur)
         cur = os.path.dirname(cur)
+    created: list[str] = []
     for m in reversed(missing):
         try:
             os.mkdir(m)
@@ -107,7 +111,12 @@ def make_dirs(root: str, d: str) -> None:
             continue
         except OSError as e:
             raise map_os_error(e, path=m) from e
-        fsync_dir(os.path.dirname(m))
+        created.append(os.path.dirname(m))
+    parents = created[::-1]
+    if sync:
+        for p in parents:
+            fsync_dir(p)
+    return parents
 
 
 class LocalWriter:
@@ -125,7 +134,8 @@ class LocalWriter:
         self._storage = storage
         self._final = object_path(storage.root, key)
         d = os.path.dirname(self._final)
-        make_dirs(storage.root, d)
+        # new directories are made durable at the commit, after the file (issue 19)
+        self._new_dir_parents = make_dirs(storage.root, d, sync=False)
         name = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(key)}"
         self._tmp = os.path.join(d, name)
         try:
@@ -183,7 +193,9 @@ class LocalWriter:
         self._flushed = end
 
     def commit(self, *, if_absent: bool = False) -> ObjectInfo:
-        """fsync, rename over the final key, fsync the directory; returns its info.
+        """fsync, rename over the final key, fsync the directory and then the parents of
+        directories this writer created (deepest first: on ext4 the file's fsync already
+        committed them, so these add no journal commit); returns its info.
 
         Args:
             if_absent: create only: ``link(2)`` instead of the rename, so an existing
@@ -212,6 +224,8 @@ class LocalWriter:
             else:
                 os.replace(self._tmp, self._final)
             fsync_dir(os.path.dirname(self._final))
+            for p in self._new_dir_parents:  # the entries of directories made for it
+                fsync_dir(p)
         except OSError as e:
             self.abort()
             raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e

@@ -227,6 +227,39 @@ class S3Storage:
         """The endpoint URL the client talks to."""
         return str(self._client.meta.endpoint_url)
 
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset`` of ``key`` with one ranged ``GetObject`` (see
+        ``Storage``; the caller verifies the range by its own CRC32C)."""
+        n = len(buf)
+        if not n:
+            return
+        resp = self.call(
+            "get_object", key, Key=self.object_key(key), Range=f"bytes={offset}-{offset + n - 1}"
+        )
+        body = resp["Body"]
+        done = 0
+        try:
+            while done < n:
+                data = body.read(min(n - done, 8 << 20))
+                if not data:
+                    raise StorageError(
+                        f"{self.url}/{key}: ends before byte {offset + n} (read "
+                        f"{offset + done}); the object is truncated"
+                    )
+                buf[done : done + len(data)] = data
+                done += len(data)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise map_s3_error(
+                exc,
+                op="get_object",
+                url=f"{self.url}/{key}",
+                endpoint=self._client.meta.endpoint_url,
+            ) from exc
+        finally:
+            body.close()
+
     def get(self, key: str) -> bytes:
         """The whole object (CRC32C checked); ``ObjectNotFound`` if absent."""
         with self.open_read(key) as f:

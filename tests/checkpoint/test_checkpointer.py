@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import ckrun
 import pytest
@@ -368,3 +369,45 @@ def test_save_handle_and_snapshot_persist_split(run_dir: Path) -> None:
     with _ck(run_dir) as ck2:
         assert ck2.load(s2).step == m.step == 2  # type: ignore[union-attr]
     assert not params_equal(s, s2)  # the snapshot predates the in-place update
+
+
+def test_retention_runs_after_the_commit_off_the_save_return(run_dir: Path) -> None:
+    """Issue 19: a synchronous save returns once its checkpoint is committed; retention's
+    deletes run in the background after it and are joined before the next save."""
+    import threading
+
+    from ckrun.storage.local import LocalStorage
+
+    entered, release = threading.Event(), threading.Event()
+    deleted: list[list[str]] = []
+
+    class SlowDelete(LocalStorage):
+        def delete(self, keys: Any) -> None:
+            keys = list(keys)
+            entered.set()
+            release.wait()
+            super().delete(keys)
+            deleted.append(keys)
+
+    s = make_state()
+    ck = ckrun.Checkpointer(SlowDelete(str(run_dir)), keep_last=1, rng=False, lock=False)
+    ck.save(1, s)
+    done = threading.Event()
+
+    def second() -> None:
+        ck.save(2, s)  # retention of step 1 blocks in delete: the save returns anyway
+        done.set()
+
+    threading.Thread(target=second, daemon=True).start()
+    assert entered.wait(20) and done.wait(20), "save 2 waited for its retention pass"
+    assert (run_dir / layout.manifest_key(2)).exists()  # committed before retention
+    assert (run_dir / layout.manifest_key(1)).exists() and not deleted  # not deleted yet
+    third = threading.Thread(target=ck.save, args=(3, s), daemon=True)
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and not (run_dir / layout.shard_key(3, 0, 0)).parent.exists()
+    release.set()  # the next save started only after the previous pass finished
+    third.join(20)
+    ck.close()
+    assert deleted and not (run_dir / layout.manifest_key(1)).exists()
+    assert [m.step for m in discovery.committed(ckrun.open_storage(str(run_dir)))] == [3]

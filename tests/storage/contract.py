@@ -330,3 +330,20 @@ def _foreign(holder: Any) -> Any:
     from dataclasses import replace
 
     return replace(holder, machine="another-machine")
+
+
+def test_read_into_reads_a_byte_range(storage: Storage) -> None:
+    """Ranged reads (issue 14): exactly the bytes asked for; a range past the end or a
+    missing object is an error, never a short buffer."""
+    from ckrun.errors import StorageError
+
+    data = os.urandom(300_000)
+    storage.put("r/obj.bin", data)
+    buf = bytearray(1000)
+    storage.read_into("r/obj.bin", 123_457, memoryview(buf))
+    assert bytes(buf) == data[123_457:124_457]
+    storage.read_into("r/obj.bin", 0, memoryview(buf)[:0])  # empty range: nothing to read
+    with pytest.raises(StorageError):
+        storage.read_into("r/obj.bin", len(data) - 10, memoryview(bytearray(20)))
+    with pytest.raises(ObjectNotFound):
+        storage.read_into("r/missing.bin", 0, memoryview(bytearray(4)))

@@ -1,0 +1,352 @@
+"""Issue 19's side-by-side table, run by ``bench/checkpoint.py``: one table per disk
+regime (the quiet scratch directory, and a throttled loop device: bench/throttle.py),
+every baseline measured in the same run, ckrun's figures and the ratios to the targets.
+
+Rows (GB/s = 10^9 bytes/s of the file written or read; medians of ``--repeats``
+rounds, the rows of one round measured one after the other, so a ratio compares figures
+taken seconds apart on the same shared machine):
+
+    saves : O_DIRECT write + fsync with 1 and with 4 writes outstanding (the disk's
+            limit), page-cache write + fsync, page-cache write with sync_file_range
+            write-behind + fsync, torch.save + fsync, safetensors save_file + fsync,
+            DCP save, DCP async_save pause; ckrun save with each writer forced
+            (CKRUN_WRITER=direct, direct:4, writebehind) and as chosen by the probe
+    loads : page cache dropped before each: sequential read of the ckrun shard into a
+            reused 64 MiB buffer (the cold read), torch.load(weights_only) into the
+            model and optimizer, safetensors load_file, ckrun load (verified)
+    small : 1 MB and 40 MB states saved ``SMALL_SAVES`` times with ``GAP_S`` of compute
+            between saves (retention keep_last=3 deleting): median seconds of the save
+            call, torch.save + fsync and ckrun save
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ckrun
+import torch
+from checkpoint import (
+    CHUNK,
+    build_state,
+    cold_read,
+    drop_cache,
+    odirect_write,
+    pagecache_write,
+    state_bytes,
+    torch_save,
+)
+from checkpoint_async import flat
+from ckrun.storage import probe
+from ckrun.storage.local import LocalStorage
+from ckrun.storage.local_writer import LocalWriter
+
+GB = 1e9
+SMALL_SAVES = 8
+GAP_S = 0.05  # seconds of compute between small saves
+DEEP = 4
+
+
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    return list(flat(state).values())
+
+
+def odirect_deep(path: str, nbytes: int, depth: int = DEEP) -> None:
+    """O_DIRECT write + fsync of ``nbytes`` with ``depth`` pwrites outstanding."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    piece = 8 << 20
+    buf = mmap.mmap(-1, piece)
+    buf.write(os.urandom(1 << 20) * (piece >> 20))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        with ThreadPoolExecutor(depth) as pool:
+            list(pool.map(lambda off: os.pwrite(fd, buf, off), range(0, nbytes, piece)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def writebehind_write(root: str, tensors: list[torch.Tensor]) -> None:
+    """The raw bytes through the page cache with sync_file_range write-behind + fsync."""
+
+    class _R:
+        def __init__(self) -> None:
+            self.root = self.url = root
+
+    w = LocalWriter(_R(), "wb", write_behind=True)
+    for t in tensors:
+        w.write(t.reshape(-1).view(torch.uint8).numpy())
+    w.commit()
+
+
+def _rm(p: str) -> None:
+    if os.path.isdir(p):
+        shutil.rmtree(p, ignore_errors=True)
+    elif os.path.exists(p):
+        os.unlink(p)
+
+
+def _ck(root: str, writer: str, **kw: Any) -> ckrun.Checkpointer:
+    os.environ["CKRUN_WRITER"] = writer
+    probe.forget()
+    return ckrun.Checkpointer(storage=root, rng=False, lock=False, **kw)
+
+
+def saves_round(
+    state: dict[str, Any], root: str, out: dict[str, list[float]]
+) -> tuple[str, probe.WriterChoice]:
+    """One round of every save row into ``out`` (seconds); returns the ckrun shard and
+    the adaptive writer's choice."""
+    import safetensors.torch as sft
+    import torch.distributed.checkpoint as dcp
+
+    n = state_bytes(state)
+    tensors = _tensors(state)
+    fl = flat(state)
+
+    def rec(name: str, fn: Callable[[], Any], cleanup: str | None) -> None:
+        t = time.perf_counter()
+        fn()
+        out.setdefault(name, []).append(time.perf_counter() - t)
+        if cleanup:
+            _rm(cleanup)
+
+    rec(
+        "O_DIRECT write + fsync (1 outstanding)",
+        lambda: odirect_write(f"{root}/od", n),
+        f"{root}/od",
+    )
+    rec(
+        f"O_DIRECT write + fsync ({DEEP} outstanding)",
+        lambda: odirect_deep(f"{root}/od4", n),
+        f"{root}/od4",
+    )
+    rec("page-cache write + fsync", lambda: pagecache_write(f"{root}/pc", tensors), f"{root}/pc")
+    os.makedirs(f"{root}/wb", exist_ok=True)
+    rec(
+        "page-cache write-behind + fsync",
+        lambda: writebehind_write(f"{root}/wb", tensors),
+        f"{root}/wb",
+    )
+    rec("torch.save + fsync", lambda: torch_save(f"{root}/t.pt", state), None)
+
+    def sf() -> None:
+        sft.save_file(fl, f"{root}/s.safetensors")
+        fd = os.open(f"{root}/s.safetensors", os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    rec("safetensors save_file + fsync", sf, None)
+    rec("DCP save", lambda: dcp.save(fl, checkpoint_id=f"{root}/dcp"), f"{root}/dcp")
+    t = time.perf_counter()
+    f = dcp.async_save(fl, checkpoint_id=f"{root}/dcpa")
+    out.setdefault("DCP async_save: pause", []).append(time.perf_counter() - t)
+    f.result()
+    _rm(f"{root}/dcpa")
+    for label, writer in (
+        ("ckrun save (writer direct:1)", "direct"),
+        (f"ckrun save (writer direct:{DEEP})", f"direct:{DEEP}"),
+        ("ckrun save (writer writebehind)", "writebehind"),
+    ):
+        ck = _ck(f"{root}/ck-{writer}", writer)
+        rec(label, lambda ck=ck: ck.save(1, state), f"{root}/ck-{writer}")
+    ck = _ck(f"{root}/ck", "auto")
+    assert isinstance(ck.storage, LocalStorage)
+    choice = ck.storage.writer_choice()  # probe (or remembered): not in the timed save
+    _rm(f"{root}/ck")
+    ck = _ck(f"{root}/ck", "auto")
+    rec("ckrun save (adaptive)", lambda: ck.save(1, state), None)
+    m = ck.latest()
+    assert m is not None
+    out.setdefault("_file_bytes", []).append(float(m.total_size_bytes))
+    out.setdefault("_torch_bytes", []).append(float(os.path.getsize(f"{root}/t.pt")))
+    return os.path.join(root, "ck", m.shards[0].key), choice
+
+
+def loads_round(state: dict[str, Any], root: str, shard: str, out: dict[str, list[float]]) -> str:
+    """One round of every load row (page cache dropped before each); returns the method."""
+    import safetensors.torch as sft
+
+    files = [shard, f"{root}/t.pt", f"{root}/s.safetensors"]
+    method = ""
+
+    def rec(name: str, fn: Callable[[], Any]) -> None:
+        nonlocal method
+        method = drop_cache(files)
+        t = time.perf_counter()
+        fn()
+        out.setdefault(name, []).append(time.perf_counter() - t)
+
+    def tload() -> None:
+        sd = torch.load(f"{root}/t.pt", weights_only=True)
+        state["model"].load_state_dict(sd["model"])
+        state["optimizer"].load_state_dict(sd["optimizer"])
+
+    ck = _ck(f"{root}/ck", "auto")
+    rec("cold read (shard → reused buffer)", lambda: cold_read(shard))
+    rec("torch.load(weights_only) → model+opt", tload)
+    rec("safetensors load_file → dict", lambda: sft.load_file(f"{root}/s.safetensors"))
+    rec("ckrun load → model+opt (verified)", lambda: ck.load(state))
+    return method
+
+
+def small_saves(root: str, out: dict[str, list[float]]) -> None:
+    """1 MB and 40 MB states saved ``SMALL_SAVES`` times, "every few steps": a training
+    step's worth of matmuls (about ``GAP_S``) runs between saves, and the figure is the
+    median time of the save call itself (what the training loop waits for); ckrun's
+    retention pass of the previous save overlaps that step."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 256, generator=g)
+
+    def step() -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < GAP_S:
+            a @ a
+
+    for mb in (1, 40):
+        n = mb * 10**6 // 4
+        sd = {
+            "w": torch.randn(n // 3),
+            "m": torch.randn(n // 3),
+            "v": torch.randn(n - 2 * (n // 3)),
+        }
+        state = {"model": torch.nn.Linear(1, 1), "extra": sd}
+        ts = []
+        for _ in range(SMALL_SAVES):
+            step()
+            t = time.perf_counter()
+            with open(f"{root}/small.pt", "wb") as f:
+                torch.save(state["extra"], f)
+                f.flush()
+                os.fsync(f.fileno())
+            ts.append(time.perf_counter() - t)
+        out.setdefault(f"small {mb} MB: torch.save + fsync", []).append(statistics.median(ts))
+        ck = _ck(f"{root}/small-ck", "auto", keep_last=3)
+        ts = []
+        for s in range(1, SMALL_SAVES + 1):
+            step()
+            t = time.perf_counter()
+            ck.save(s, state)
+            ts.append(time.perf_counter() - t)
+        ck.close()
+        out.setdefault(f"small {mb} MB: ckrun save", []).append(statistics.median(ts))
+        _rm(f"{root}/small-ck")
+        _rm(f"{root}/small.pt")
+
+
+def run(size_gib: float, root: str, repeats: int) -> dict[str, Any]:
+    """Every row on ``root`` (emptied first, removed at the end)."""
+    import torch.distributed as dist
+
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    saved_env = os.environ.get("CKRUN_WRITER")
+    state = build_state(size_gib)
+    odirect_write(f"{root}/warmup", 128 << 20)  # the first write of a run is slow
+    _rm(f"{root}/warmup")
+    raw: dict[str, list[float]] = {}
+    method = ""
+    c = probe.WriterChoice("direct")
+    try:
+        for _ in range(repeats):
+            shard, c = saves_round(state, root, raw)
+            method = loads_round(state, root, shard, raw)
+            small_saves(root, raw)
+            for p in (f"{root}/ck", f"{root}/t.pt", f"{root}/s.safetensors"):
+                _rm(p)
+    finally:
+        if saved_env is None:
+            os.environ.pop("CKRUN_WRITER", None)
+        else:
+            os.environ["CKRUN_WRITER"] = saved_env
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "state_bytes": state_bytes(state),
+        "file_bytes": raw.pop("_file_bytes")[0],
+        "torch_bytes": raw.pop("_torch_bytes")[0],
+        "cache_drop": method,
+        "writer": c.label,
+        "writer_source": c.source,
+        "probe_rates": dict(c.rates),
+        "repeats": repeats,
+        "seconds": {k: statistics.median(v) for k, v in raw.items() if not k.startswith("_")},
+        "samples": {k: v for k, v in raw.items() if not k.startswith("_")},
+        "chunk": CHUNK,
+    }
+
+
+def _mark(ok: bool) -> str:
+    return "✔" if ok else "✘"
+
+
+def table(r: dict[str, Any], regime: str) -> str:
+    """The markdown table of one regime, with the ratios to issue 19's targets."""
+    s = r["seconds"]
+    n, fb, tb = r["state_bytes"], r["file_bytes"], r["torch_bytes"]
+    lines = [
+        f"### {regime}",
+        "",
+        f"state {n / (1 << 30):.2f} GiB, torch {torch.__version__}, medians of "
+        f"{r['repeats']} rounds, page cache dropped with {r['cache_drop']}; "
+        f"adaptive writer: {r['writer']} ({r['writer_source']}; probe GB/s: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in r["probe_rates"].items())
+        + ")",
+        "",
+        "| operation | seconds | GB/s |",
+        "|---|---:|---:|",
+    ]
+    rate: dict[str, float] = {}
+    for k, dt in s.items():
+        if k.startswith("small"):
+            continue
+        size = tb if k.startswith("torch") else fb if "ckrun" in k or "shard" in k else n
+        rate[k] = size / dt / GB
+        lines.append(f"| {k} | {dt:.3f} | {rate[k]:.2f} |")
+    for mb in (1, 40):
+        t, c = s[f"small {mb} MB: torch.save + fsync"], s[f"small {mb} MB: ckrun save"]
+        lines.append(
+            f"| small {mb} MB, per save: torch.save + fsync / ckrun save | {t:.4f} / {c:.4f} | |"
+        )
+    od = max(
+        rate["O_DIRECT write + fsync (1 outstanding)"],
+        rate[f"O_DIRECT write + fsync ({DEEP} outstanding)"],
+    )
+    wb = rate["page-cache write-behind + fsync"]
+    ck = rate["ckrun save (adaptive)"]
+    ld = rate["ckrun load → model+opt (verified)"]
+    ratios = [
+        ("ckrun save / better of O_DIRECT limit and write-behind", ck / max(od, wb), 0.9),
+        ("ckrun save / torch.save + fsync", ck / rate["torch.save + fsync"], 1.5),
+        ("ckrun save / safetensors + fsync", ck / rate["safetensors save_file + fsync"], None),
+        ("ckrun load / cold read", ld / rate["cold read (shard → reused buffer)"], 1.0),
+        (
+            "ckrun load / torch.load(weights_only)",
+            ld / rate["torch.load(weights_only) → model+opt"],
+            1.5,
+        ),
+    ]
+    for mb in (1, 40):
+        ratios.append(
+            (
+                f"small {mb} MB: ckrun save time / torch.save + fsync time",
+                s[f"small {mb} MB: ckrun save"] / s[f"small {mb} MB: torch.save + fsync"],
+                -1.0,
+            )
+        )
+    lines += ["", "| ratio | measured | target |", "|---|---:|---:|"]
+    for name, v, tgt in ratios:
+        if tgt is None:
+            lines.append(f"| {name} | {v:.2f}× | — |")
+        elif tgt < 0:
+            lines.append(f"| {name} | {v:.2f}× | ≤ 1.0 {_mark(v <= 1.0)} |")
+        else:
+            lines.append(f"| {name} | {v:.2f}× | ≥ {tgt} {_mark(v >= tgt)} |")
+    return "\n".join(lines)

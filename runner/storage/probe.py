@@ -1,0 +1,233 @@
+"""The adaptive writer of :class:`ckrun.storage.local.LocalStorage`: which streaming
+writer suits a storage location, chosen by a short measured probe and remembered.
+
+Candidates (issue 19): ``O_DIRECT`` with one write outstanding (the double buffer of
+:class:`~ckrun.storage.direct.DirectWriter`), ``O_DIRECT`` with :data:`DEEP` writes
+outstanding (a busy, throttled or network device needs a deeper queue to reach its
+rate), and the page cache with ``sync_file_range`` write-behind
+(:class:`~ckrun.storage.local_writer.LocalWriter`; the kernel's write-back keeps many
+requests in flight).  Each writes :data:`PROBE_BYTES` to a temp file in the storage
+root, fsynced, and the fastest wins (``O_DIRECT`` on a tie within 5 %, as it leaves the
+page cache alone).  The choice is kept in memory and in a small JSON file,
+``$CKRUN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/ckrun`` or ``~/.cache/ckrun``)
+``/writer-probe.json``, keyed by the device number and mount point of the location, so
+a location is probed once per machine; it is logged at INFO.
+
+``CKRUN_WRITER`` overrides the probe: ``direct`` (depth 1), ``direct:N`` (depth N),
+``writebehind``, ``auto`` (the default: probe).  Measurements: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from ckrun.errors import ConfigError, StorageError
+from ckrun.storage.local_writer import DirectUnsupported
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 48 << 20
+DEEP = 4
+_TIE = 0.95
+_lock = threading.Lock()
+_memo: dict[str, WriterChoice] = {}
+
+
+@dataclass(frozen=True)
+class WriterChoice:
+    """A streaming writer for one location.
+
+    Attributes:
+        mode: ``direct`` (``O_DIRECT`` staging writer) or ``writebehind``.
+        depth: ``O_DIRECT`` writes outstanding (1 for ``writebehind``).
+        source: ``probe``, ``cache`` (remembered probe), ``env`` (CKRUN_WRITER), or
+            ``fallback`` (the probe failed, e.g. no room: ``direct:1``, not remembered).
+        rates: the probe's GB/s per candidate (empty unless probed).
+    """
+
+    mode: str
+    depth: int = 1
+    source: str = "probe"
+    rates: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """``direct:N`` or ``writebehind``."""
+        return f"direct:{self.depth}" if self.mode == "direct" else "writebehind"
+
+
+def parse(spec: str) -> WriterChoice | None:
+    """``CKRUN_WRITER``'s value as a choice; None for ``auto``/empty.
+
+    Raises:
+        ConfigError: not one of ``auto``, ``direct``, ``direct:N`` (N >= 1), ``writebehind``.
+    """
+    s = spec.strip().lower()
+    if s in ("", "auto"):
+        return None
+    if s == "writebehind":
+        return WriterChoice("writebehind", 1, "env")
+    if s == "direct":
+        return WriterChoice("direct", 1, "env")
+    if s.startswith("direct:") and s[7:].isdigit() and int(s[7:]) >= 1:
+        return WriterChoice("direct", int(s[7:]), "env")
+    raise ConfigError(
+        f"CKRUN_WRITER={spec!r}: expected auto, direct, direct:N (N >= 1) or writebehind"
+    )
+
+
+def cache_file() -> str:
+    """The JSON file that remembers probe results (see module docstring)."""
+    d = os.environ.get("CKRUN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ckrun"
+    )
+    return os.path.join(d, "writer-probe.json")
+
+
+def location_key(root: str) -> str:
+    """``<st_dev>:<mount point>`` of ``root``: one probe per device and mount."""
+    mnt = os.path.abspath(root)
+    while not os.path.ismount(mnt):
+        mnt = os.path.dirname(mnt)
+    return f"{os.stat(root).st_dev}:{mnt}"
+
+
+def _read_cache() -> dict[str, dict[str, object]]:
+    try:
+        with open(cache_file()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, c: WriterChoice) -> None:
+    path = cache_file()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = _read_cache()
+        data[key] = {**asdict(c), "probed_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(3)}"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: the choice is still kept in memory
+        log.debug("cannot remember the writer probe in %s: %s", path, e)
+
+
+def _from_cache(entry: dict[str, object]) -> WriterChoice | None:
+    mode, depth, rates = entry.get("mode"), entry.get("depth"), entry.get("rates")
+    if mode not in ("direct", "writebehind") or not isinstance(depth, int) or depth < 1:
+        return None
+    kept = tuple(
+        (str(r[0]), float(r[1]))
+        for r in (rates if isinstance(rates, list) else [])
+        if isinstance(r, list) and len(r) == 2 and isinstance(r[1], (int, float))
+    )
+    return WriterChoice(str(mode), depth, "cache", kept)
+
+
+def _time_write(root: str, mode: str, depth: int, nbytes: int) -> float:
+    """Seconds to write and fsync ``nbytes`` with one candidate writer (temp file)."""
+    from ckrun.storage.direct import DirectWriter
+    from ckrun.storage.local_writer import TEMP_PREFIX, LocalWriter
+
+    class _Root:
+        def __init__(self, r: str) -> None:
+            self.root, self.url = r, r
+
+    # a temp-prefixed key: invisible to list(), removed by sweep_temp if left behind
+    name = f"{TEMP_PREFIX}{os.getpid()}-probe-{secrets.token_hex(3)}"
+    w = (
+        DirectWriter(_Root(root), name, depth=depth)
+        if mode == "direct"
+        else LocalWriter(_Root(root), name, write_behind=True)
+    )
+    chunk = memoryview(bytearray(os.urandom(1 << 20) * 8))
+    try:
+        t = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            done += w.write(chunk)
+        w.commit()  # fsync + rename + directory fsync, as for a shard
+        return time.perf_counter() - t
+    finally:
+        w.abort()
+        try:
+            os.unlink(os.path.join(root, name))
+        except OSError:
+            pass
+
+
+def probe(root: str, nbytes: int = PROBE_BYTES) -> WriterChoice:
+    """Measure the candidates on ``root`` (module docstring); returns the fastest.
+
+    Raises:
+        DirectUnsupported: the filesystem refuses ``O_DIRECT`` (the caller falls back).
+        StorageError: the probe's writes failed.
+    """
+    cands = [("direct", 1), ("direct", DEEP), ("writebehind", 1)]
+    rates: dict[str, float] = {}
+    for mode, depth in cands:
+        dt = _time_write(root, mode, depth, nbytes)
+        rates[WriterChoice(mode, depth).label] = nbytes / dt / 1e9
+    best = max(rates, key=lambda k: rates[k])
+    best_direct = max((k for k in rates if k.startswith("direct")), key=lambda k: rates[k])
+    if rates[best_direct] >= _TIE * rates[best]:
+        best = best_direct
+    mode, _, d = best.partition(":")
+    return WriterChoice(mode, int(d or 1), "probe", tuple(sorted(rates.items())))
+
+
+def choose(root: str) -> WriterChoice:
+    """The writer for ``root``: CKRUN_WRITER, else remembered, else probed (and kept).
+
+    A probe that fails with a storage error (no room for its 48 MiB, say) gives
+    ``direct:1`` for this process, logged as a warning and not remembered.
+
+    Raises:
+        ConfigError: CKRUN_WRITER is malformed.
+        DirectUnsupported: the probe found ``O_DIRECT`` refused.
+    """
+    env = parse(os.environ.get("CKRUN_WRITER", ""))
+    if env is not None:
+        return env
+    key = location_key(root)
+    with _lock:
+        if key in _memo:
+            return _memo[key]
+        entry = _read_cache().get(key)
+        c = _from_cache(entry) if isinstance(entry, dict) else None
+        if c is None:
+            try:
+                c = probe(root)
+            except DirectUnsupported:
+                raise
+            except StorageError as e:  # e.g. no room for the probe: the classic writer
+                log.warning("writer probe for %s failed (%s): using direct:1", key, e)
+                c = WriterChoice("direct", 1, "fallback")
+                _memo[key] = c
+                return c
+            log.info(
+                "writer probe for %s: %s (GB/s %s)",
+                key,
+                c.label,
+                ", ".join(f"{k} {v:.2f}" for k, v in c.rates),
+            )
+            _write_cache(key, c)
+        else:
+            log.info("writer for %s: %s (remembered in %s)", key, c.label, cache_file())
+        _memo[key] = c
+        return c
+
+
+def forget() -> None:
+    """Drop the in-memory choices (the JSON file stays); for tests and the benchmark."""
+    with _lock:
+        _memo.clear()

@@ -1,0 +1,204 @@
+"""The adaptive writer (issue 19): a measured probe per location, remembered, overridable;
+the O_DIRECT writer with several writes outstanding writes the same bytes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from ckrun.errors import ConfigError
+from ckrun.storage import probe
+from ckrun.storage.direct import DirectWriter
+from ckrun.storage.local import LocalStorage
+from ckrun.storage.local_writer import LocalWriter
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("CKRUN_WRITER", raising=False)
+    monkeypatch.setenv("CKRUN_CACHE_DIR", str(tmp_path / "cache"))
+    probe.forget()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4, 7])
+def test_deep_direct_writer_writes_the_same_bytes(tmp_path: Path, depth: int) -> None:
+    st = LocalStorage(str(tmp_path / "run"))
+    sizes = (0, 1, 4097, (16 << 20) + 3, (40 << 20) + 4095)
+    for n in sizes:
+        data = os.urandom(n)
+        w = DirectWriter(st, f"o{n}", depth=depth)
+        for i in range(0, n, 3 << 20):  # uneven pieces across staging buffers
+            w.write(memoryview(data)[i : i + (3 << 20)])
+        assert w.commit().size_bytes == n
+        assert st.get(f"o{n}") == data
+    assert sorted(os.listdir(tmp_path / "run")) == sorted(f"o{n}" for n in sizes)
+
+
+def test_probe_is_remembered_per_location_and_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[str] = []
+    real = probe.probe
+
+    def counted(root: str, nbytes: int = probe.PROBE_BYTES) -> probe.WriterChoice:
+        calls.append(root)
+        return real(root, 4 << 20)
+
+    monkeypatch.setattr(probe, "probe", counted)
+    caplog.set_level(logging.INFO, logger="ckrun.storage.probe")
+    st = LocalStorage(str(tmp_path / "a"))
+    c = st.writer_choice()
+    assert calls == [st.root] and c.source == "probe"
+    assert {k for k, _ in c.rates} == {"direct:1", f"direct:{probe.DEEP}", "writebehind"}
+    assert "writer probe for" in caplog.text and c.label in caplog.text
+    assert [p for p in os.listdir(st.root)] == []  # the probe's temp files are gone
+    saved = json.loads(Path(probe.cache_file()).read_text())
+    key = probe.location_key(st.root)
+    assert saved[key]["mode"] == c.mode and saved[key]["depth"] == c.depth
+    # another storage on the same mount, another process (memo dropped): from the file
+    probe.forget()
+    c2 = LocalStorage(str(tmp_path / "b")).writer_choice()
+    assert calls == [st.root] and c2.source == "cache" and c2.label == c.label
+    assert c2.rates == c.rates  # the probe's figures are remembered with the choice
+    w = LocalStorage(str(tmp_path / "c")).open_write("k")
+    assert isinstance(w, DirectWriter) == (c.mode == "direct")
+    w.abort()
+
+
+def test_remembered_choice_picks_the_writer(tmp_path: Path) -> None:
+    st = LocalStorage(str(tmp_path / "r"))
+    key = probe.location_key(st.root)
+    os.makedirs(os.path.dirname(probe.cache_file()))
+    for entry, kind, depth in (
+        ({"mode": "direct", "depth": 3}, DirectWriter, 3),
+        ({"mode": "writebehind", "depth": 1}, LocalWriter, None),
+    ):
+        Path(probe.cache_file()).write_text(json.dumps({key: entry}))
+        probe.forget()
+        s = LocalStorage(str(tmp_path / "r"))
+        with s.open_write("x") as w:
+            w.write(b"abc" * 5000)
+        assert type(w) is kind and (depth is None or getattr(w, "depth", None) == depth)
+        assert s.get("x") == b"abc" * 5000
+
+
+def test_env_override_and_bad_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKRUN_WRITER", "direct:5")
+    w = LocalStorage(str(tmp_path / "r")).open_write("x")
+    assert isinstance(w, DirectWriter) and w.depth == 5
+    w.abort()
+    monkeypatch.setenv("CKRUN_WRITER", "writebehind")
+    w2 = LocalStorage(str(tmp_path / "r")).open_write("y")
+    assert type(w2) is LocalWriter
+    w2.abort()
+    assert not os.path.exists(probe.cache_file())  # an override probes nothing
+    monkeypatch.setenv("CKRUN_WRITER", "fast")
+    with pytest.raises(ConfigError, match="CKRUN_WRITER='fast'.*direct:N"):
+        LocalStorage(str(tmp_path / "r")).open_write("z")
+
+
+def test_deep_writer_enospc_surfaces_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the 3rd pwrite of a depth-4 writer fails with ENOSPC."""
+    from ckrun.errors import StorageFull
+    from ckrun.storage import direct as direct_mod
+
+    real = os.pwrite
+    n = {"calls": 0}
+
+    def failing(fd: int, data: object, off: int) -> int:
+        n["calls"] += 1
+        if n["calls"] == 3:
+            raise OSError(28, "No space left on device")
+        return real(fd, data, off)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(direct_mod.os, "pwrite", failing)  # type: ignore[attr-defined]
+    st = LocalStorage(str(tmp_path / "run"))
+    w = DirectWriter(st, "obj", depth=4)
+    with pytest.raises(StorageFull, match="no space left"):
+        for _ in range(8):
+            w.write(b"z" * (8 << 20))
+        w.commit()
+    w.abort()
+    assert st.head("obj") is None and os.listdir(tmp_path / "run") == []
+
+
+def test_small_object_skips_the_direct_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 (small states): an object within one staging buffer is written with one
+    buffered write and fsynced: no padded O_DIRECT tail, no ftruncate; bigger ones still
+    are truncated to their real length."""
+    from ckrun.storage import direct as direct_mod
+
+    truncs: list[int] = []
+    real = os.ftruncate
+    monkeypatch.setattr(
+        direct_mod.os,  # type: ignore[attr-defined]
+        "ftruncate",
+        lambda fd, n: (truncs.append(n), real(fd, n))[1],
+    )
+    st = LocalStorage(str(tmp_path / "run"))
+    for depth in (1, 4):
+        for n in (0, 1, 5000, 1 << 20):
+            data = os.urandom(n)
+            w = DirectWriter(st, f"s{depth}-{n}", depth=depth)
+            w.write(data)
+            w.commit()
+            assert st.get(f"s{depth}-{n}") == data
+    assert truncs == []
+    big = os.urandom((40 << 20) + 5)
+    w = DirectWriter(st, "big", depth=4)
+    w.write(big)
+    w.commit()
+    assert truncs == [len(big)] and st.get("big") == big
+
+
+def test_staging_buffers_are_reused_never_shared(tmp_path: Path) -> None:
+    """Issue 19 (small states): a writer's staging buffers go back for the next writer
+    (no first-touch page faults per save); two open writers never share one."""
+    st = LocalStorage(str(tmp_path / "run"))
+    a = DirectWriter(st, "a", depth=4)
+    b = DirectWriter(st, "b", depth=4)  # open at the same time: its own buffers
+    ids_a = {id(x) for x in a._bufs}
+    assert not ids_a & {id(x) for x in b._bufs}
+    da, db = os.urandom((20 << 20) + 7), os.urandom(5 << 20)
+    a.write(da)
+    b.write(db)
+    a.commit()
+    b.abort()
+    c = DirectWriter(st, "c", depth=4)
+    assert {id(x) for x in c._bufs} & ids_a  # a's buffers, given back, reused
+    dc = os.urandom((30 << 20) + 1)
+    c.write(dc)
+    c.commit()
+    c.abort()  # after the commit: a no-op, gives nothing back twice
+    d1, d2 = DirectWriter(st, "d1", depth=4), DirectWriter(st, "d2", depth=4)
+    assert not {id(x) for x in d1._bufs} & {id(x) for x in d2._bufs}
+    d1.abort()
+    d2.abort()
+    assert st.get("a") == da and st.get("c") == dc and st.head("b") is None
+
+
+def test_probe_failure_falls_back_and_is_not_remembered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe that cannot write (ENOSPC from its first write here) leaves the classic
+    O_DIRECT double buffer for this process and remembers nothing; saves still work."""
+    from ckrun.errors import StorageFull
+
+    def full(root: str, nbytes: int = probe.PROBE_BYTES) -> probe.WriterChoice:
+        raise StorageFull(f"{root}: no space left on device")
+
+    monkeypatch.setattr(probe, "probe", full)
+    st = LocalStorage(str(tmp_path / "r"))
+    c = st.writer_choice()
+    assert (c.label, c.source) == ("direct:1", "fallback")
+    assert not os.path.exists(probe.cache_file())
+    with st.open_write("x") as w:
+        w.write(b"data")
+    assert st.get("x") == b"data"
