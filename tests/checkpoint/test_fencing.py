@@ -70,6 +70,7 @@ def test_stale_writer_commits_nothing_and_deletes_nothing(
     ck_b = Checkpointer(storage, {"model_version": 1}, keep_last=1, run="r1")
     m2 = ck_b.save(2, state)
     assert m2.lease_epoch == 2
+    ck_b.close()  # B's retention pass (in the background) is done
     before = sorted(o.key for o in storage.list())
 
     with pytest.raises(LeaseLost, match="lease epoch 1 .* epoch 2"):
