@@ -80,6 +80,10 @@ class ObjectExists(StorageError):
     """A conditional create (``if_absent=True``) found the key already present."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional update (``put(if_match=...)``) found another version, or no object."""
+
+
 class CorruptObject(StorageError):
     """The bytes read do not match the object's stored checksum or length (S3 CRC32C,
     a body shorter than the object after every resumed read): the stored object is bad,
@@ -133,6 +137,15 @@ class RunLocked(CkrunError):
     def __init__(self, message: str, *, holder: dict[str, Any] | None = None):
         super().__init__(message)
         self.holder = dict(holder or {})
+
+
+class LeaseHeld(RunLocked):
+    """Another supervisor holds the run's lease (it renews it); exit 2 naming the holder."""
+
+
+class LeaseLost(RunLocked):
+    """This process's lease epoch is no longer the run's current one (a newer owner took
+    over): its commit, marker and retention are refused (fencing); exit 2."""
 
 
 class RunComplete(CkrunError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from typing import Any
 
 import pytest
 from ckrun import config
@@ -95,9 +97,18 @@ def test_run_json_round_trip(tmp_path: object) -> None:
     assert body["launch_hash"] == cfg.launch_hash() and body["allow_change"] == ["config.lr"]
 
 
-def test_remote_storage_needs_a_state_dir() -> None:
+def test_remote_storage_state_dir_defaults_to_the_user_state_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # issue 12: a fresh machine needs nothing but the storage URL (was: ConfigError)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     cfg = resolve("local", {"storage": "s3://bucket/prefix"}, {}, run="r")
-    with pytest.raises(ConfigError, match="state_dir"):
-        _ = cfg.state_root
+    assert cfg.state_root.startswith(str(tmp_path / "xdg" / "ckrun") + "/")
+    assert cfg.state_root.endswith("/r")
+    other = resolve("local", {"storage": "s3://other/prefix"}, {}, run="r")
+    assert other.state_root != cfg.state_root  # one cache per storage base
+    monkeypatch.delenv("XDG_STATE_HOME")
+    home = resolve("local", {"storage": "s3://bucket/prefix"}, {}, run="r").state_root
+    assert home.startswith(os.path.expanduser("~/.local/state/ckrun/"))
     cfg = resolve("local", {"storage": "s3://bucket/prefix", "state_dir": "/tmp/st"}, {}, run="r")
     assert cfg.state_root == "/tmp/st/r" and cfg.run_root == "s3://bucket/prefix/r"

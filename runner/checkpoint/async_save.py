@@ -52,10 +52,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ckrun.checkpoint import pipeline
-from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
+from ckrun.checkpoint.sharding import Planned
 from ckrun.errors import CheckpointError
 
 __all__ = ["AsyncSaveHandle", "AsyncSaver", "SaveHandle", "check_step", "warn_sync_fallback"]
@@ -181,7 +181,7 @@ class AsyncSaver:
     def _persist(
         self,
         step: int,
-        snap: fmt.Snapshot,
+        snap: Planned,
         kind: str,
         compat: dict[str, Any],
         metrics: dict[str, Any],

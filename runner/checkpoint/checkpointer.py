@@ -18,10 +18,18 @@ The manifest records the state's model signature and optimizer parameter names
 (:mod:`ckrun.checkpoint.signature`): a load gates on it and re-keys optimizer state by
 parameter name.  ``finalize`` is idempotent and completes a run whose final artifact was
 committed without its marker.
+
+Fencing (DESIGN.md §7): under a supervisor, ``CKRUN_LEASE_EPOCH`` names the lease epoch
+the supervisor holds; every manifest and the completion marker record it and every
+commit, marker write and retention pass first checks that it is still the run's current
+epoch (:class:`ckrun.checkpoint.lease.Fence`), raising :class:`ckrun.errors.LeaseLost`
+(exit 2) otherwise.  The lease then replaces the machine-local writer lock.  Without a
+supervisor (no ``CKRUN_LEASE_EPOCH``) the Checkpointer runs unfenced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
@@ -32,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 import torch
 from ckrun.checkpoint import collective as distributed
 from ckrun.checkpoint import layout, pipeline, resume
-from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint import signature as sig
 from ckrun.checkpoint.compat import git_state, normalize
 from ckrun.checkpoint.discovery import committed_final, completion
@@ -43,10 +50,12 @@ from ckrun.checkpoint.env import (
     open_storage_from_env,
     refuse_conflict,
 )
+from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle
+from ckrun.checkpoint.sharding import Planned
 from ckrun.checkpoint.state import state_compat
 from ckrun.errors import (
     ConfigError,
@@ -145,6 +154,7 @@ class Checkpointer:
         run = run or os.environ.get("CKRUN_RUN") or _basename(st.url)
         attempt = attempt if attempt is not None else env_int("CKRUN_ATTEMPT", 0)
         rank, world_size = distributed.dist_info()
+        fence = Fence.from_env(st)
         self._ctx = CommitContext(
             storage=st,
             run=run,
@@ -157,9 +167,10 @@ class Checkpointer:
             rng=rng,
             lock=(
                 WriterLock(st, run=run, attempt=attempt, owner=_created_at())
-                if lock and rank == 0
+                if lock and rank == 0 and not fence.fenced
                 else None
             ),
+            fence=fence,
         )
         self.allow_change = tuple(allow_change)
         self.policy = policy
@@ -185,6 +196,7 @@ class Checkpointer:
     milestone_every = _Context[int | None]()
     rng = _Context[bool]()
     resumed_from = _Context[int | None]()
+    fence = _Context[Fence | None]()
 
     @property
     def commit_context(self) -> CommitContext:
@@ -247,11 +259,20 @@ class Checkpointer:
 
     # -- load: ckrun.checkpoint.resume ----------------------------------------------
 
-    def load(self, state: MutableMapping[str, Any]) -> Manifest | None:
+    def load(
+        self, state: MutableMapping[str, Any], *, from_dcp: str | None = None
+    ) -> Manifest | None:
         """Restore the newest good, compatible checkpoint into ``state`` in place.
 
+        Args:
+            from_dcp: a ``torch.distributed.checkpoint`` directory that seeds ``state``
+                when the run has no checkpoint yet (its own checkpoints win, so a
+                requeued run resumes where it stopped); see
+                :mod:`ckrun.checkpoint.dcp_interop`.
+
         Returns:
-            Its manifest, or None when there is nothing to resume (empty run root).
+            Its manifest, or None when there is nothing to resume (empty run root;
+            ``state`` seeded from ``from_dcp`` when given).
 
         Raises:
             IncompatibleCheckpoint: the newest readable checkpoint's compat differs in a
@@ -279,6 +300,11 @@ class Checkpointer:
             resume_step=self.resume_step,
             skipped=self.skipped,
         )
+        if m is None and from_dcp is not None:
+            from ckrun.checkpoint.dcp_interop import load_dcp
+
+            load_dcp(state, from_dcp)
+            log.info("no checkpoint in %s: state seeded from DCP %s", self.storage.url, from_dcp)
         _report_training_start(m, time.monotonic() - t0, self.rank)
         return m
 
@@ -297,8 +323,9 @@ class Checkpointer:
 
     # -- save -----------------------------------------------------------------------
 
-    def snapshot(self, state: Mapping[str, Any], *, copy: bool = False) -> fmt.Snapshot:
-        """Step 1 of a save: the state (and RNG) flattened for persisting.
+    def snapshot(self, state: Mapping[str, Any], *, copy: bool = False) -> Planned:
+        """Step 1 of a save: the state (and RNG) flattened and cut into this rank's shard
+        entries (a collective with more than one rank, :mod:`ckrun.checkpoint.sharding`).
 
         Args:
             copy: clone tensors to host now (for a persist that overlaps training).
@@ -356,7 +383,10 @@ class Checkpointer:
             m = self._save(step, state, ManifestKind.FINAL, metrics)
             _report_save(m, time.monotonic() - t0, "sync", self.rank)
         if self.rank == 0:
-            self.storage.put(layout.COMPLETE, CompletionMarker.for_manifest(m).dumps())
+            self._ctx.check_fence(f"completion marker of step {step}")
+            marker_m = CompletionMarker.for_manifest(m)  # the epoch of this writer
+            marker_m = dataclasses.replace(marker_m, lease_epoch=self._ctx.lease_epoch)
+            self.storage.put(layout.COMPLETE, marker_m.dumps())
         self._ctx.complete = True
         return m
 
@@ -390,7 +420,7 @@ class Checkpointer:
     def persist(
         self,
         step: int,
-        snap: fmt.Snapshot,
+        snap: Planned,
         *,
         kind: str,
         compat: dict[str, Any],

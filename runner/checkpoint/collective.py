@@ -3,15 +3,20 @@
 Save (every rank calls :meth:`Checkpointer.save` at the same step, e.g. after
 ``preemption_requested(sync=True)`` agreed on it):
 
-1. each rank writes its whole run state (model, optimizer, its RNG, its sampler
-   position, ...) as one shard under its attempt-unique key
+1. the ranks plan who writes what (:mod:`ckrun.checkpoint.sharding`, one
+   ``all_gather_object``): DTensor (FSDP2) shards by the rank that holds them, a tensor
+   replicated on every rank (DDP) by one owner, rank-local state (RNG, data position,
+   tensors that differ) by each rank; each rank writes one format-2 shard (a
+   safetensors file, :mod:`ckrun.checkpoint.st_format`) under its attempt-unique key
    (``shard-r<rank>-a<attempt>-<nonce>.ckpt``), CRC32C while streaming;
-2. the ranks report ``(key, size_bytes, checksum, error)`` to rank 0 (``gather_object``
-   on a dedicated gloo group, so a CUDA/NCCL job's training collectives are untouched);
-3. rank 0 checks that every shard exists with the reported size (``head``), then creates
-   the single ``manifest.json`` (world size, one shard per rank, the sharding policy in
-   the compat block) only if absent (:func:`ckrun.checkpoint.commit.commit_manifest`):
-   the checkpoint exists only now;
+2. the ranks report ``(key, size_bytes, checksum, layout part, error)`` to rank 0
+   (``gather_object`` on a dedicated gloo group, so a CUDA/NCCL job's training
+   collectives are untouched);
+3. rank 0 checks that every shard exists with the reported size (``head``) and that the
+   saved pieces cover every global tensor exactly, then creates the single
+   ``manifest.json`` (world size, one shard per rank, the tensor layout, the sharding
+   policy in the compat block) only if absent
+   (:func:`ckrun.checkpoint.commit.commit_manifest`): the checkpoint exists only now;
 4. rank 0 broadcasts the outcome (the manifest, or the error) to every rank: this is the
    barrier after the commit, and a failure on any rank fails the save on every rank.
 
@@ -20,10 +25,12 @@ later by retention); the previous checkpoint stays the newest.
 
 Load: every rank walks the same committed manifests newest first; the ranks agree
 (``all_gather_object``) on each candidate, so one rank's corrupt shard makes all of them
-fall back together.  On the same world size each rank reads its own shard (exact
-resume, bitwise).  On another world size (the sharding policy ``replicated``: DDP, where
-model and optimizer are identical on every rank) every rank reads rank 0's shard and the
-rank-local state follows :data:`RANK_LOCAL_POLICY`, recorded in every manifest:
+fall back together.  A format-2 checkpoint is read with ranged reads
+(:mod:`ckrun.checkpoint.reshard`): global tensors as the current layout wants them (the
+local box of a DTensor, else whole), on any world size.  The rank-local state comes from
+the rank's own shard on the same world size (exact resume, bitwise); on another world
+size every rank takes rank 0's and the rank-local state follows
+:data:`RANK_LOCAL_POLICY`, recorded in every manifest:
 
 * data position: a :class:`~ckrun.checkpoint.sampler.ResumableSampler` state is re-derived
   from the global sample count (``position × old world size``: the global step times the
@@ -31,12 +38,13 @@ rank-local state follows :data:`RANK_LOCAL_POLICY`, recorded in every manifest:
 * RNG: python, numpy and torch (CPU, CUDA) are reseeded with
   ``sha256("seed:step:rank")`` (first 8 bytes), deterministic for a given resume.
 
-Sharded tensors (``DTensor``, FSDP sharded state dicts) are refused at save with a fix
-(save a full state dict): every shard holds the full replicated state.
+A format-1 checkpoint (one whole-state shard per rank) loads as before: its own shard on
+the same world size, rank 0's otherwise.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime as dt
 import hashlib
 import logging
@@ -48,13 +56,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from ckrun.checkpoint import layout
-from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint import layout, sharding
 from ckrun.checkpoint.commit import commit_manifest
+from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 from ckrun.checkpoint.state import restore
 from ckrun.checkpoint.verify import head_problems
-from ckrun.errors import CheckpointError, ConfigError
+from ckrun.errors import CheckpointError, ConfigError, LeaseLost
 from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -150,6 +158,7 @@ class Group:
                 )
             secs = float(os.environ.get(TIMEOUT_ENV, "1800"))
             self._pg = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=secs))
+            atexit.register(_destroy_at_exit, self._pg)
         return self._pg
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -160,6 +169,16 @@ class Group:
 
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self._group())
+        return out
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._group())
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -183,12 +202,34 @@ class Group:
         return all(o[0] for o in out), [f"rank {r}: {o[1]}" for r, o in enumerate(out) if not o[0]]
 
 
+def _destroy_at_exit(pg: Any) -> None:
+    """Destroy the checkpoint's gloo group while the interpreter is still alive.
+
+    A gloo group left to interpreter finalization can abort the process ("terminate
+    called without an active exception", exit -6): its worker threads still hold work
+    objects whose tensors need the GIL when the C++ objects are torn down (see
+    pytorch/pytorch#179291).  Destroying a gloo group is local (no collective).
+    """
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group(pg)
+    except Exception as e:  # the process is ending: report, never raise from atexit
+        log.debug("destroying the checkpoint group at exit failed: %s", e)
+
+
 @dataclass(frozen=True)
 class _Report:
     key: str
     size_bytes: int
     checksum: str
     error: str | None
+    part: dict[str, Any] | None = None  # sharding.layout_part
+
+
+#: ``(shards, manifest key, tensor layout) -> Manifest``, called on rank 0 only
+MakeManifest = Callable[[tuple[ShardInfo, ...], str, "dict[str, Any] | None"], Manifest]
 
 
 class RankWriter(Protocol):
@@ -210,29 +251,32 @@ class RankWriter(Protocol):
     @property
     def group(self) -> Group: ...
 
+    @property
+    def fence(self) -> Fence | None: ...
 
-def _write_own(ck: RankWriter, step: int, snap: fmt.Snapshot, area: layout.Area) -> _Report:
+
+def _write_own(ck: RankWriter, step: int, snap: sharding.Planned, area: layout.Area) -> _Report:
     key = layout.shard_key(step, ck.rank, ck.attempt, area)
-    size, checksum = fmt.write_object(ck.storage.open_write(key), snap)
-    return _Report(key, size, checksum, None)
+    out = sharding.write_object(ck.storage.open_write(key), snap)
+    return _Report(key, out.size_bytes, out.checksum, None, sharding.layout_part(snap, out))
 
 
 def persist(
     ck: RankWriter,
     step: int,
-    snap: fmt.Snapshot,
+    snap: sharding.Planned,
     *,
     kind: ManifestKind,
-    make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
+    make_manifest: MakeManifest,
 ) -> Manifest:
     """Steps 2-4 of a collective save (module docstring); every rank calls it.
 
     Args:
         ck: the rank's commit context (``storage``, ``run``, ``attempt``, ``rank``, ``group``).
         step: the step being saved (the same on every rank).
-        snap: this rank's snapshot.
+        snap: this rank's planned snapshot (:func:`ckrun.checkpoint.sharding.plan`).
         kind: ``recovery``, ``milestone`` or ``final``.
-        make_manifest: ``(shards, manifest_key) -> Manifest`` (rank 0 only).
+        make_manifest: ``(shards, manifest_key, tensor_layout) -> Manifest`` (rank 0).
 
     Returns:
         The committed manifest, on every rank.
@@ -255,6 +299,8 @@ def persist(
     if own_error is not None:
         raise own_error
     status, body, mkey = outcome
+    if status == "lease_lost":
+        raise LeaseLost(str(body))
     if status != "ok":
         raise CheckpointError(
             f"collective save of step {step} failed, nothing committed "
@@ -270,7 +316,7 @@ def _commit(
     step: int,
     area: layout.Area,
     reports: list[_Report],
-    make_manifest: Callable[[tuple[ShardInfo, ...], str], Manifest],
+    make_manifest: MakeManifest,
 ) -> tuple[str, bytes | str, str]:
     """Rank 0: verify every shard, write the manifest; ``("ok", bytes, key)`` or error."""
     problems = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
@@ -297,8 +343,11 @@ def _commit(
             problems = head_problems(ck.storage, probe)
         if problems:
             return "error", "; ".join(problems), mkey
-        m = commit_manifest(ck.storage, make_manifest(shards, mkey))  # conditional create
+        lay = sharding.merge_layout([rep.part or {} for rep in reports])
+        m = commit_manifest(ck.storage, make_manifest(shards, mkey, lay), ck.fence)  # fenced
         return "ok", m.dumps(), mkey
+    except LeaseLost as e:  # every rank raises LeaseLost (exit 2), not a storage error
+        return "lease_lost", str(e), mkey
     except Exception as e:  # broadcast, then every rank raises
         return "error", f"rank 0 could not commit: {type(e).__name__}: {e}", mkey
 
@@ -374,22 +423,3 @@ def reseed(seed: int, step: int, rank: int) -> int:
     if np is not None:
         np.random.seed(s % (1 << 32))
     return s
-
-
-def refuse_sharded_tensors(snap: fmt.Snapshot) -> None:
-    """Raise when the state holds ``DTensor`` shards (not resharded by this format).
-
-    Raises:
-        CheckpointError: names the fix (a full state dict, or DDP).
-    """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return
-    if any(isinstance(t, DTensor) for t in snap.tensors):
-        raise CheckpointError(
-            "the state holds DTensor (FSDP2 / tensor-parallel) shards, which ckrun's "
-            "replicated format cannot reshard; pass full state dicts "
-            "(torch.distributed.checkpoint.state_dict.get_state_dict(..., "
-            "options=StateDictOptions(full_state_dict=True))) or use DDP"
-        )

@@ -13,15 +13,28 @@ gets ``ObjectExists`` and this module decides, after reading the existing manife
   checkpoint ``load()`` skipped, and the run re-reached that step) — it is deleted (the
   manifest only: its shards are never named again and are collected by retention) and
   the create is retried once.
+
+Fencing (DESIGN.md §7, :mod:`ckrun.checkpoint.lease`): with a ``fence``, the lease epoch
+is checked right before the create and again right after it; a manifest created by a
+writer whose epoch stopped being current in between is deleted again (it is this
+writer's own key: the create was conditional) and :class:`ckrun.errors.LeaseLost` is
+raised, so a stale owner never leaves a commit behind.
 """
 
 from __future__ import annotations
 
 import logging
 
+from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.verify import verify_shards
-from ckrun.errors import CheckpointError, CorruptCheckpoint, ObjectExists, ObjectNotFound
+from ckrun.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    LeaseLost,
+    ObjectExists,
+    ObjectNotFound,
+)
 from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -60,8 +73,11 @@ def _same_contents(a: Manifest, b: Manifest) -> bool:
     return a.kind == b.kind and a.world_size == b.world_size and sig(a) == sig(b)
 
 
-def commit_manifest(storage: Storage, m: Manifest) -> Manifest:
+def commit_manifest(storage: Storage, m: Manifest, fence: Fence | None = None) -> Manifest:
     """Create ``m.key`` only if absent; returns the manifest that is committed there.
+
+    Args:
+        fence: the writer's lease fence (None or unfenced: no check).
 
     Returns:
         ``m``, or an existing verified manifest of the same contents.
@@ -70,15 +86,21 @@ def commit_manifest(storage: Storage, m: Manifest) -> Manifest:
         StepAlreadyCommitted: a verified manifest with other contents exists.
         CheckpointError: a corrupt manifest came back after it was deleted (a concurrent
             writer).
+        LeaseLost: the writer's lease epoch is no longer current (nothing is published).
         StorageError: the storage failed.
     """
     body = m.dumps()
+    what = f"commit of step {m.step}"
     for retry in (False, True):
+        if fence is not None:
+            fence.check(what)
         try:
             storage.put(m.key, body, if_absent=True)
-            return m
         except ObjectExists:
             pass
+        else:
+            _recheck(storage, m, fence, what)
+            return m
         old, problems = _existing(storage, m.key)
         if old is None and not problems:
             continue  # deleted between the create and the read: try again
@@ -113,3 +135,15 @@ def commit_manifest(storage: Storage, m: Manifest) -> Manifest:
         "corrupt one reappeared after it was deleted (another writer of "
         "this run?)"
     )
+
+
+def _recheck(storage: Storage, m: Manifest, fence: Fence | None, what: str) -> None:
+    """After the create: withdraw our manifest if the lease moved on meanwhile."""
+    if fence is None or not fence.fenced:
+        return
+    try:
+        fence.check(what)
+    except LeaseLost:
+        log.error("%s: the lease moved on during the commit; withdrawing %s", what, m.key)
+        storage.delete([m.key])
+        raise

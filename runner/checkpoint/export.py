@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.weights import entry, module_key, open_run, read_state
-from ckrun.errors import CheckpointError, ConfigError
+from ckrun.errors import CheckpointError, ConfigError, UsageError
 from ckrun.storage.base import Storage
 
 
@@ -134,6 +135,9 @@ def export(
     fn = FORMATS.get(format)
     if fn is None:
         raise ConfigError(f"unknown export format {format!r}; use one of {sorted(FORMATS)}")
+    is_dir = format in DIRECTORY_FORMATS
+    if is_dir and os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UsageError(f"{out} exists and is not an empty directory; choose a new -o path")
     storage = open_run(path_or_run)
     m, user = read_state(storage, step)
     src = ExportSource(storage, m, user, module_key(m, user, key))
@@ -144,13 +148,20 @@ def export(
     tmp = os.path.join(d, f".{os.path.basename(out)}.ckrun-tmp-{os.getpid()}")
     try:
         fn(src, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
+        for path in _files(tmp) if is_dir else [tmp]:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, out)  # a directory replaces a missing or empty one
     finally:
-        if os.path.exists(tmp):
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        elif os.path.exists(tmp):
             os.unlink(tmp)
     return m
+
+
+def _files(d: str) -> list[str]:
+    return [os.path.join(r, n) for r, _, names in os.walk(d) for n in names]
 
 
 def _plain(v: Any) -> Any:
@@ -192,5 +203,14 @@ def _torch(src: ExportSource, out: str) -> None:
     torch.save(model if opt is None else {"model": model, "optimizer": opt}, out)
 
 
+def _dcp(src: ExportSource, out: str) -> None:
+    from ckrun.checkpoint.dcp_interop import write_dcp
+
+    write_dcp(src.user, out)
+
+
 register("safetensors", _safetensors)
 register("torch", _torch)
+register("dcp", _dcp)  # a directory (torch.distributed.checkpoint), issue 14
+#: formats whose output is a directory (``out`` must not exist or be empty)
+DIRECTORY_FORMATS = frozenset({"dcp"})

@@ -8,6 +8,8 @@ Run root (DESIGN.md §2-3)::
     final/step-0000005000/{shard-...,manifest.json}                final artifact
     COMPLETE.json                                                  completion marker
     locks/writer.lock, locks/writer.holder.json                    the checkpoint writer lock
+    locks/lease.json                                               the run's lease (epoch)
+    supervisor/state.json                                          budgets + history
 
 ``step-%010d`` keys make listing order step order.  Shard keys are attempt-unique (and
 carry a random nonce), so a save never overwrites a file another attempt may have named.
@@ -27,6 +29,8 @@ COMPLETE = "COMPLETE.json"
 MANIFEST = "manifest.json"
 WRITER_LOCK = "locks/writer.lock"
 WRITER_HOLDER = "locks/writer.holder.json"
+LEASE = "locks/lease.json"
+RUN_STATE = "supervisor/state.json"
 SHARD_SUFFIX = ".ckpt"
 
 Area = Literal["checkpoints", "final"]

@@ -22,9 +22,10 @@ from ckrun.errors import CorruptCheckpoint, InvalidKey
 from ckrun.storage.base import validate_key
 
 FORMAT = "ckrun.manifest"
-FORMAT_VERSION = 1
+#: 1: one whole-state shard per rank; 2: adds ``tensor_layout`` (issue 14, sharded state)
+FORMAT_VERSION = 2
 #: fields a manifest may omit (absent in manifests written before issue 13)
-OPTIONAL_FIELDS = frozenset({"signature"})
+OPTIONAL_FIELDS = frozenset({"signature", "lease_epoch"})
 Kind = Literal["recovery", "milestone", "final"]
 
 
@@ -96,6 +97,12 @@ class Manifest:
         signature: the model signature and optimizer parameter names
             (:mod:`ckrun.checkpoint.signature`), or None (no module in the state, or a
             format-1 manifest).
+        tensor_layout: format 2 (:mod:`ckrun.checkpoint.sharding`): per shard its header size
+            and CRC32C and its entries' byte ranges and CRC32C; per global tensor its
+            dtype, shape and saved pieces.  None in a format-1 manifest.
+        lease_epoch: the run's lease epoch the writer held (fencing, DESIGN.md §7), or
+            None for a writer without a supervisor (the field is then omitted, so such a
+            manifest is byte-identical to one of earlier ckrun versions).
         key: where this manifest was read from or written to (not serialised).
     """
 
@@ -114,6 +121,8 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     compat_drift: tuple[str, ...] = ()
     signature: dict[str, Any] | None = None
+    tensor_layout: dict[str, Any] | None = None
+    lease_epoch: int | None = None
     key: str = field(default="", compare=False)
 
     @property
@@ -128,9 +137,9 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as a JSON object (format and version included)."""
-        return {
+        body: dict[str, Any] = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": 1 if self.tensor_layout is None else FORMAT_VERSION,
             "run": self.run,
             "step": self.step,
             "kind": self.kind,
@@ -145,7 +154,14 @@ class Manifest:
             "save_duration_s": self.save_duration_s,
             "versions": self.versions,
             "compat_drift": list(self.compat_drift),
-        } | ({"signature": self.signature} if self.signature is not None else {})
+        } | {
+            k: v
+            for k, v in (("signature", self.signature), ("lease_epoch", self.lease_epoch))
+            if v is not None
+        }
+        if self.tensor_layout is not None:
+            body["tensor_layout"] = self.tensor_layout
+        return body
 
     def dumps(self) -> bytes:
         """Strict JSON bytes (``allow_nan=False``, sorted keys)."""
@@ -178,10 +194,15 @@ class Manifest:
         check_format(obj, FORMAT, FORMAT_VERSION, where)
         expected = set(Manifest.__dataclass_fields__) - {"key"} | {"format", "format_version"}
         expected -= OPTIONAL_FIELDS - obj.keys()
+        if obj["format_version"] == 1:
+            expected.discard("tensor_layout")
         exact_fields(obj, expected, where)
         signature = obj.get("signature")
         if signature is not None and not isinstance(signature, dict):
             raise CorruptCheckpoint(f"{where}: field 'signature' must be an object", key=key)
+        epoch = obj.get("lease_epoch")
+        if epoch is not None and (not _is_int(epoch) or epoch < 1):
+            raise CorruptCheckpoint(f"{where}: lease_epoch must be an int >= 1", key=key)
         step = typed_field(obj, "step", int, where)
         text = typed_field(obj, "kind", str, where)
         if text not in KINDS or step < 0:
@@ -202,6 +223,13 @@ class Manifest:
         if not isinstance(duration, (int, float)) or isinstance(duration, bool):
             raise CorruptCheckpoint(f"{where}: save_duration_s must be a number", key=key)
         drift = typed_field(obj, "compat_drift", list, where)
+        lay = obj.get("tensor_layout")
+        if lay is not None:
+            problem = _layout_problem(lay, world)
+            if problem:
+                raise CorruptCheckpoint(
+                    f"{where}: bad tensor_layout: {problem}", key=key, step=step
+                )
         return cls(
             run=typed_field(obj, "run", str, where),
             step=step,
@@ -218,8 +246,33 @@ class Manifest:
             versions=typed_field(obj, "versions", dict, where),
             compat_drift=tuple(str(d) for d in drift),
             signature=signature,
+            tensor_layout=lay,
+            lease_epoch=epoch,
             key=key,
         )
+
+
+def _layout_problem(layout: Any, world_size: int) -> str | None:
+    """A structural problem of a format-2 ``tensor_layout``, or None."""
+    try:
+        if layout["version"] != 1 or len(layout["shards"]) != world_size:
+            return "unknown layout version or wrong shard count"
+        for s in layout["shards"]:
+            if not (_is_int(s["header_bytes"]) and isinstance(s["header_crc"], str)):
+                return "shard header"
+            for b, e, c in s["entries"].values():
+                if not (_is_int(b) and _is_int(e) and 0 <= b <= e and isinstance(c, str)):
+                    return "entry range"
+        for g, spec in layout["tensors"].items():
+            shape = spec["shape"]
+            if not (isinstance(spec["dtype"], str) and all(_is_int(n) for n in shape)):
+                return f"dtype or shape of {g}"
+            for r, entry, off, lengths in spec["pieces"]:
+                if entry not in layout["shards"][r]["entries"] or len(off) != len(lengths):
+                    return f"piece {entry} of {g}"
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        return f"malformed ({e!r:.80})"
+    return None
 
 
 def reject_constant(name: str) -> Any:

@@ -41,6 +41,8 @@ class CompletionMarker:
         manifest_key: key of the final artifact's manifest.
         artifacts: the artifact shards with sizes and checksums.
         committed_utc: when the marker was written.
+        lease_epoch: the lease epoch of the writer (fencing), None when unfenced (then
+            omitted from the JSON).
     """
 
     run: str
@@ -51,6 +53,7 @@ class CompletionMarker:
     manifest_key: str
     artifacts: tuple[ShardInfo, ...]
     committed_utc: str
+    lease_epoch: int | None = None
 
     @classmethod
     def for_manifest(cls, m: Manifest) -> CompletionMarker:
@@ -64,11 +67,12 @@ class CompletionMarker:
             m.key,
             m.shards,
             utc_now(),
+            m.lease_epoch,
         )
 
     def dumps(self) -> bytes:
         """Strict JSON bytes."""
-        body = {
+        body: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "run": self.run,
@@ -80,6 +84,8 @@ class CompletionMarker:
             "artifacts": [a.to_json() for a in self.artifacts],
             "committed_utc": self.committed_utc,
         }
+        if self.lease_epoch is not None:
+            body["lease_epoch"] = self.lease_epoch
         return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode()
 
     @classmethod
@@ -110,8 +116,11 @@ class CompletionMarker:
             "manifest_key",
             "artifacts",
             "committed_utc",
-        }
+        } | ({"lease_epoch"} & obj.keys())
         exact_fields(obj, fields, where)
+        epoch = obj.get("lease_epoch")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
+            raise CorruptCheckpoint(f"{where}: lease_epoch must be an int", key=where)
         step = typed_field(obj, "final_step", int, where)
         entries = typed_field(obj, "artifacts", list, where)
         arts = tuple(parse_shard(a, step, "final", where) for a in entries)
@@ -132,6 +141,7 @@ class CompletionMarker:
             mkey,
             arts,
             typed_field(obj, "committed_utc", str, where),
+            epoch,
         )
 
     def to_json(self) -> dict[str, Any]:

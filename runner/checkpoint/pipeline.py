@@ -26,15 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from ckrun.checkpoint import collective, layout, retention
+from ckrun.checkpoint import collective, layout, retention, sharding
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.compat import normalize
 from ckrun.checkpoint.discovery import completion, scan
+from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.state import capture
-from ckrun.errors import CheckpointError, RunComplete, StorageError
+from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StorageError
 from ckrun.storage.base import ObjectWriter, Storage
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,10 @@ class CommitContext:
             own collectives).
         keep_last, milestone_every: retention (see :mod:`ckrun.checkpoint.retention`).
         rng: capture RNG states in the snapshot.
-        lock: the writer lock (rank 0), taken by :func:`begin`.
+        lock: the writer lock (rank 0), taken by :func:`begin`; None when fenced.
+        fence: the lease fence (``CKRUN_LEASE_EPOCH``, :mod:`ckrun.checkpoint.lease`):
+            every commit, marker and retention pass first checks that the epoch is
+            still current; unfenced (no supervisor) by default.
         resumed_from: the step the last load restored (protected from retention).
         drift: compat differences allowed at that load (recorded in new manifests).
         verified: manifest keys this process wrote or verified (not re-hashed).
@@ -109,6 +113,17 @@ class CommitContext:
     retaining: Future[None] | None = None
     retainer: ThreadPoolExecutor | None = None
     signature: dict[str, Any] | None = None
+    fence: Fence | None = None
+
+    def check_fence(self, what: str) -> None:
+        """Raise ``LeaseLost`` when fenced and the lease epoch is no longer current."""
+        if self.fence is not None:
+            self.fence.check(what)
+
+    @property
+    def lease_epoch(self) -> int | None:
+        """The lease epoch this process writes under (None: unfenced)."""
+        return None if self.fence is None else self.fence.epoch
 
 
 def check_step(step: Any) -> None:
@@ -164,19 +179,22 @@ def already_committed(ctx: CommitContext, step: int, kind: str) -> Manifest | No
     return None
 
 
-def snapshot(ctx: CommitContext, state: Mapping[str, Any], *, copy: bool = False) -> fmt.Snapshot:
-    """Step 1: the state (and RNG) flattened for persisting.
+def snapshot(
+    ctx: CommitContext, state: Mapping[str, Any], *, copy: bool = False
+) -> sharding.Planned:
+    """Step 1: the state (and RNG) flattened and cut into this rank's shard entries
+    (:func:`ckrun.checkpoint.sharding.plan`: a collective with more than one rank).
 
     Args:
         copy: clone tensors to host now (for a persist that overlaps training).
     """
-    return fmt.snapshot(capture(state, rng=ctx.rng), copy=copy)
+    return sharding.plan(fmt.snapshot(capture(state, rng=ctx.rng), copy=copy), ctx.group)
 
 
 def persist(
     ctx: CommitContext,
     step: int,
-    snap: fmt.Snapshot,
+    snap: sharding.Planned,
     *,
     kind: str,
     compat: dict[str, Any],
@@ -197,11 +215,12 @@ def persist(
 
     kind = ManifestKind(kind)  # a ManifestKind, or its value
 
-    def make(shards: tuple[ShardInfo, ...], mkey: str) -> Manifest:
-        return make_manifest(ctx, step, kind, shards, compat, metrics, created_utc, started, mkey)
+    def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
+        return make_manifest(
+            ctx, step, kind, shards, compat, metrics, created_utc, started, mkey, lay
+        )
 
     if ctx.world_size > 1:  # collective: every rank's shard, rank 0 commits
-        collective.refuse_sharded_tensors(snap)
         m = collective.persist(ctx, step, snap, kind=kind, make_manifest=make)
         ctx.verified.add(m.key)
         ctx.written = m
@@ -216,16 +235,21 @@ def persist(
         return m
     area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
     key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
-    size, checksum = fmt.write_object((open_shard or ctx.storage.open_write)(key), snap)
+    out = sharding.write_object((open_shard or ctx.storage.open_write)(key), snap)
+    size, checksum = out.size_bytes, out.checksum
     info = ctx.storage.head(key)
     if info is None or info.size_bytes != size:
         raise StorageError(
             f"{key}: committed shard reads back as {info}, expected "
             f"{size} bytes; the storage lost the write"
         )
-    m = make((ShardInfo(key, ctx.rank, size, checksum),), layout.manifest_key(step, area))
+    m = make(
+        (ShardInfo(key, ctx.rank, size, checksum),),
+        layout.manifest_key(step, area),
+        sharding.merge_layout([sharding.layout_part(snap, out)]),
+    )
     mkey = m.key
-    m = commit_manifest(ctx.storage, m)  # conditional create: one commit per step
+    m = commit_manifest(ctx.storage, m, ctx.fence)  # conditional create, fenced
     ctx.verified.add(mkey)
     ctx.written = m
     log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size, m.save_duration_s)
@@ -242,6 +266,7 @@ def make_manifest(
     created_utc: str,
     started: float,
     mkey: str,
+    tensor_layout: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest committing ``shards`` (built just before it is written)."""
     return Manifest(
@@ -264,6 +289,8 @@ def make_manifest(
         },
         compat_drift=tuple(ctx.drift),
         signature=ctx.signature,
+        tensor_layout=tensor_layout,
+        lease_epoch=ctx.lease_epoch,
         key=mkey,
     )
 
@@ -298,6 +325,13 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
     the checkpoint is committed and retention retries after the next save."""
     if ctx.rank != 0:
         return
+    try:
+        ctx.check_fence(f"retention after step {m.step}")
+    except LeaseLost:
+        if ctx.world_size == 1:
+            raise
+        log.error("retention after step %d skipped: the lease moved on", m.step)
+        return  # the next collective commit refuses on every rank
     try:
         sc = scan(ctx.storage)
         broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]

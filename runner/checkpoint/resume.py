@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-from ckrun.checkpoint import collective, signature
+from ckrun.checkpoint import collective, reshard, signature
 from ckrun.checkpoint.compat import DEFAULT_POLICY, compare
 from ckrun.checkpoint.discovery import scan
 from ckrun.checkpoint.manifest import Manifest
@@ -78,8 +78,10 @@ def gate(
     return cmp.drift
 
 
-def read(ctx: CommitContext, m: Manifest) -> Any:
-    """This rank's shard of ``m``, read and verified.
+def read(ctx: CommitContext, m: Manifest, want: Mapping[str, Any]) -> Any:
+    """This rank's state tree of ``m``, read and verified: its shard (format 1), or
+    ranged reads of what it needs (format 2, :mod:`ckrun.checkpoint.reshard`; ``want``:
+    the targets of the state being restored).
 
     Raises:
         CheckpointError: ``m`` was saved on another world size in a format that does
@@ -93,6 +95,8 @@ def read(ctx: CommitContext, m: Manifest) -> Any:
             f"{m.world_size} ranks"
         )
     src = collective.source_rank(m, ctx.rank, ctx.world_size)
+    if m.tensor_layout is not None:  # format 2: ranged reads of what this rank needs
+        return reshard.load_tree(ctx.storage, m, source_rank=src, want=want)
     s = next(s for s in m.shards if s.rank == src)
     info = ctx.storage.head(s.key)
     if info is None or info.size_bytes != s.size_bytes:
@@ -131,11 +135,14 @@ def load(
         IncompatibleCheckpoint: as :func:`gate`; nothing is restored.
         CheckpointError: the checkpoint does not fit the state (wrong model).
     """
+    want: dict[str, Any] | None = None
     for m in scan(ctx.storage).manifests:
         drift = gate(ctx, m, current, allow_change=allow_change, policy=policy)
         tree, why = None, ""
         try:
-            tree = read(ctx, m)
+            if m.tensor_layout is not None and want is None:
+                want = reshard.targets(state)  # where each global tensor goes
+            tree = read(ctx, m, want or {})
         except (CorruptCheckpoint, ObjectNotFound) as e:
             why = str(e)
         ok, whys = ctx.group.all_ok(tree is not None, why)  # all ranks fall back together

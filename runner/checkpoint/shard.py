@@ -101,6 +101,11 @@ def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def nbytes(t: HostArray) -> int:
+    """Bytes of a tensor or ndarray."""
+    return _nbytes(t)
+
+
 def snapshot(obj: Any, *, copy: bool = False) -> Snapshot:
     """Flatten ``obj`` into a :class:`Snapshot`.
 

@@ -20,6 +20,7 @@ from typing import IO, Any, cast
 
 import crc32c
 import torch
+from ckrun.checkpoint import st_format
 from ckrun.checkpoint.crc import combine as crc_combine
 from ckrun.checkpoint.manifest import UnsupportedFormat
 from ckrun.checkpoint.shard import (
@@ -34,6 +35,7 @@ from ckrun.checkpoint.shard import (
     HostArray,
     align_up,
     bytes_view,
+    nbytes,
 )
 from ckrun.errors import CheckpointError, CorruptCheckpoint
 
@@ -153,9 +155,13 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
             bytes or a whole-file checksum mismatch (the message names the key).
         UnsupportedFormat: a shard format version this ckrun cannot read.
     """
-    prefix = bytearray(PREFIX.size)
-    crc = _readinto(f, memoryview(prefix), 0, key)
-    magic, hlen, hcrc, _ = PREFIX.unpack(prefix)
+    first = bytearray(len(MAGIC))
+    crc = _readinto(f, memoryview(first), 0, key)
+    if bytes(first) != MAGIC:  # format 2: a safetensors file
+        return _read_v2(f, bytes(first), crc, size_bytes=size_bytes, checksum=checksum, key=key)
+    rest = bytearray(PREFIX.size - len(MAGIC))
+    crc = _readinto(f, memoryview(rest), crc, key)
+    magic, hlen, hcrc, _ = PREFIX.unpack(bytes(first + rest))
     if magic != MAGIC:
         raise CorruptCheckpoint(f"{key}: not a ckrun shard (bad magic {magic!r})", key=key)
     if hlen > min(MAX_HEADER_BYTES, size_bytes - PREFIX.size):
@@ -194,6 +200,78 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
             f"{key}: checksum mismatch (manifest {checksum}, file {got})", key=key
         )
     return _decode(meta["tree"], tensors, key)
+
+
+def _read_v2(
+    f: IO[bytes], first: bytes, crc: int, *, size_bytes: int, checksum: str, key: str
+) -> Any:
+    """Format 2 (:mod:`ckrun.checkpoint.st_format`): the whole shard, verified."""
+    (hlen,) = st_format.LEN.unpack(first)
+    if hlen > min(MAX_HEADER_BYTES, size_bytes - len(first)) or hlen < 2:
+        raise CorruptCheckpoint(
+            f"{key}: not a ckrun shard (bad magic {first[:4]!r}: neither format 1 nor a "
+            "safetensors header)",
+            key=key,
+        )
+    header = bytearray(hlen)
+    crc = _readinto(f, memoryview(header), crc, key)
+    if header[:1] != b"{":
+        raise CorruptCheckpoint(f"{key}: not a ckrun shard (bad magic {first[:4]!r})", key=key)
+    h = st_format.parse_header(first + bytes(header), key)
+    if h.header_bytes + h.data_bytes != size_bytes:
+        raise CorruptCheckpoint(
+            f"{key}: header describes {h.header_bytes + h.data_bytes} bytes, "
+            f"manifest says {size_bytes}",
+            key=key,
+        )
+    tensors = [st_format.alloc(e) for e in h.entries]
+    order = sorted(range(len(tensors)), key=lambda i: h.ranges[h.entries[i]["name"]][0])
+    segs = [bytes_view(tensors[i]) for i in order if nbytes(tensors[i])]
+    crc = _read_segments(f, segs, crc, key)
+    if f.read(1):
+        raise CorruptCheckpoint(f"{key}: trailing bytes after {size_bytes}", key=key)
+    got = f"crc32c:{crc:08x}"
+    if got != checksum:
+        raise CorruptCheckpoint(
+            f"{key}: checksum mismatch (manifest {checksum}, file {got})", key=key
+        )
+    by_name = {e["name"]: t for e, t in zip(h.entries, tensors, strict=True)}
+
+    def whole(name: str) -> Any:
+        if name not in by_name:
+            raise CheckpointError(
+                f"{key}: tensor {name!r} is sharded over several shards; load it through "
+                "the checkpoint's manifest (Checkpointer.load or ckrun.checkpoint.reshard)"
+            )
+        return by_name[name]
+
+    return decode_tree(h.tree, tensors, key, resolve_global=whole)
+
+
+def decode_tree(tree: Any, tensors: list[Any], key: str, *, resolve_global: Any = None) -> Any:
+    """The state tree of a shard header with its placeholders replaced: ``tensor`` by
+    ``tensors[i]``, ``global`` (format 2) by ``resolve_global(name)``.
+
+    Raises:
+        CorruptCheckpoint: a malformed or unknown tag.
+    """
+    extra: list[Any] = []
+
+    def bind(v: Any) -> Any:
+        if isinstance(v, list):
+            return [bind(x) for x in v]
+        if not isinstance(v, dict):
+            return v
+        if v.get(TAG) == "global" and resolve_global is not None:
+            name = v.get("name")
+            if not isinstance(name, str):
+                raise CorruptCheckpoint(f"{key}: malformed global entry {v!r:.80}", key=key)
+            extra.append(resolve_global(name))
+            return {TAG: "tensor", "i": len(tensors) + len(extra) - 1}
+        return {k: bind(x) for k, x in v.items()}
+
+    bound = bind(tree)
+    return _decode(bound, tensors + extra, key)
 
 
 def _parse_header(header: bytes, key: str) -> dict[str, Any]:

@@ -100,15 +100,33 @@ class TieredStorage:
         self._busy = 0
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        from .lease import Fence
+
+        self.fence = Fence.from_env(self)  # the supervisor's epoch: remote commits fenced
 
     def __repr__(self) -> str:
         return f"TieredStorage(local={self.local.url!r}, remote={self.remote.url!r})"
 
     # -- Storage protocol: writes go to the local tier --------------------------------
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
+    def put(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        """Write to the local tier; a conditional update (``if_match``) goes to the
+        remote tier, where compare-and-swap objects (the run's lease) live."""
+        if if_match is not None:
+            return self.remote.put(key, data, if_match=if_match)
         info = self.local.put(key, data, if_absent=if_absent)
         self._committed(key)
         return info
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """From the remote tier (compare-and-swap objects live there)."""
+        return self.remote.get_versioned(key)
 
     def put_file(self, key: str, path: str) -> ObjectInfo:
         info = self.local.put_file(key, path)
@@ -144,6 +162,10 @@ class TieredStorage:
     def open_read(self, key: str) -> IO[bytes]:
         tier = self.local if self.local.head(key) is not None else self.remote
         return tier.open_read(key)
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        tier = self.local if self.local.head(key) is not None else self.remote
+        tier.read_into(key, offset, buf)
 
     def head(self, key: str) -> ObjectInfo | None:
         return self.local.head(key) or self.remote.head(key)
@@ -219,6 +241,7 @@ class TieredStorage:
                 if kind == "checkpoint":
                     self.upload(item)
                 else:
+                    self.fence.check("remote completion marker")
                     self.remote.put(item, self.local.get(item))
             except Exception as e:  # logged and counted; the local commit stands
                 self.stats["failed"] += 1
@@ -266,6 +289,7 @@ class TieredStorage:
         t0 = time.monotonic()
         nbytes = sum(self._copy_shard(s) for s in m.shards)
         body = self.local.get(m.key)
+        self.fence.check(f"remote commit of step {m.step}")
         try:
             self.remote.put(m.key, body, if_absent=True)
         except ObjectExists:
@@ -318,6 +342,7 @@ class TieredStorage:
         return n
 
     def _retain_remote(self, m: Manifest) -> None:
+        self.fence.check(f"remote retention after step {m.step}")
         try:
             sc = scan(self.remote)
             broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]

@@ -60,6 +60,13 @@ def read_tree(storage: Storage, m: Manifest, rank: int = 0) -> dict[str, Any]:
     Raises:
         CorruptCheckpoint: the shard is missing, truncated or fails its checksum.
     """
+    if m.tensor_layout is not None:  # format 2: global tensors span the shards
+        from ckrun.checkpoint.reshard import full_state
+
+        tree = full_state(storage, m, rank)
+        if not isinstance(tree, dict) or not isinstance(tree.get("user"), dict):
+            raise CorruptCheckpoint(f"{m.key}: not a ckrun run state", key=m.key, step=m.step)
+        return tree
     s = next(s for s in m.shards if s.rank == rank)
     info = storage.head(s.key)
     if info is None or info.size_bytes != s.size_bytes:

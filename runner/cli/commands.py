@@ -154,9 +154,16 @@ def run_storage(rd: RunDir) -> str:
 
 
 def supervise(
-    cfg: RunConfig, run_name: str, backend: str | None = None, *, frozen: RunConfig | None = None
+    cfg: RunConfig,
+    run_name: str,
+    backend: str | None = None,
+    *,
+    frozen: RunConfig | None = None,
+    wait_for_lease: tuple[float, str] | None = None,
 ) -> int:
     """Lock the run (per node rank), freeze ``cfg`` if it changed, run the supervisor loop.
+
+    ``wait_for_lease`` (seconds, source) applies to this invocation only (never frozen).
 
     Returns:
         The supervisor's exit code.
@@ -172,6 +179,9 @@ def supervise(
     with rundir.lock(run_name) as lock:
         if cfg != frozen and rundir.rank == 0:
             rundir.freeze(cfg)
+        if wait_for_lease is not None:
+            origin = {**cfg.sources, "wait_for_lease_s": wait_for_lease[1]}
+            cfg = dataclasses.replace(cfg, wait_for_lease_s=wait_for_lease[0], sources=origin)
         sources = list(sched.notice_sources(job)) + build_notice_sources(cfg)
         return int(Supervisor(cfg, rundir, sched, job, sources, lock=lock).run())
 
@@ -308,17 +318,11 @@ def submit(
 
 def _submit_state(cfg: RunConfig) -> RunDir | None:
     """The local state dir of a submission; None for another backend with remote storage
-    and no ``state_dir`` (run.json then lives only where the job runs).
-
-    Raises:
-        ConfigError: local backend with remote storage and no ``state_dir``.
-    """
-    try:
-        return RunDir(cfg.state_root)
-    except ConfigError:
-        if cfg.scheduler == "local":
-            raise
+    and no ``state_dir`` (run.json then lives only where the job runs).  The local
+    backend with remote storage uses the default cache (:func:`default_state_dir`)."""
+    if cfg.scheduler != "local" and not cfg.state_dir and not is_local_storage(cfg.storage):
         return None
+    return RunDir(cfg.state_root)
 
 
 def run(
@@ -352,7 +356,9 @@ def run(
             state_dir=state_dir,
         )
         cfg = reconcile(frozen, cfg)
-    return supervise(cfg, run_name, scheduler, frozen=frozen)
+    src = base.sources.get("wait_for_lease_s", "default")
+    wait = (base.wait_for_lease_s, src) if src != "default" else None
+    return supervise(cfg, run_name, scheduler, frozen=frozen, wait_for_lease=wait)
 
 
 def relocated(frozen: RunConfig, found: RunConfig, *, given: bool) -> tuple[str, str]:

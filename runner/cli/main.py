@@ -321,6 +321,14 @@ def submit(
     help="Backend for requeue [autodetect: SLURM_JOB_ID, KUBERNETES_SERVICE_HOST].",
 )
 @_own_checkpoint_options
+@click.option(
+    "--wait-for-lease",
+    "wait_for_lease",
+    default=None,
+    metavar="S",
+    help="Wait up to S seconds for another owner's lease to end, else exit 2 "
+    "[2 x lease_ttl_s for a cloud profile or a requeued job, else 0].",
+)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(
     run_name: str,
@@ -328,6 +336,7 @@ def run(
     allow_change: tuple[str, ...],
     profile: str | None,
     scheduler: str | None,
+    wait_for_lease: str | None,
     args: tuple[str, ...],
     checkpoint_paths: tuple[str, ...],
     resume_args: str | None,
@@ -337,7 +346,7 @@ def run(
     from ckrun.cli import commands as launch
 
     cmd = _command(args) if args else ()
-    cli = _cli_values(storage=storage, allow_change=allow_change)
+    cli = _cli_values(storage=storage, allow_change=allow_change, wait_for_lease_s=wait_for_lease)
     cli.update(_own_checkpoint_values(checkpoint_paths, resume_args, child_signal))
     return int(launch.run(run_name, cli, cmd, profile=profile, scheduler=scheduler))
 

@@ -216,7 +216,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
             ckrun, or saves outside it).
         CheckpointError: the run has checkpoints but no final one (it did not complete).
     """
-    from ckrun.checkpoint import discovery, fileset
+    from ckrun.checkpoint import discovery, fileset, reshard
     from ckrun.checkpoint.env import open_storage_from_env
     from ckrun.checkpoint.manifest import ManifestKind
     from ckrun.checkpoint.shard_reader import read_shard
@@ -243,8 +243,11 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
         return m.step, file_set_tree(m.step, fileset.read_files(storage, m).files)
     tree: dict[str, Any] = {"step": m.step}
     for s in sorted(m.shards, key=lambda s: s.rank):
-        with storage.open_read(s.key) as f:
-            shard = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
+        if m.tensor_layout is not None:  # format 2: global tensors span the shards
+            shard = reshard.full_state(storage, m, s.rank)
+        else:
+            with storage.open_read(s.key) as f:
+                shard = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
         tree.update(shard if m.world_size == 1 else {f"rank{s.rank}": shard})
     return m.step, tree
 

@@ -152,6 +152,12 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"unknown notice_sources {bad}: valid are aws, gcp, azure")
     if cfg.grace_s <= cfg.margin_s:
         raise ConfigError(f"grace_s ({cfg.grace_s}) must exceed margin_s ({cfg.margin_s})")
+    if cfg.lease_ttl_s <= 0 or cfg.heartbeat_s * 2 > cfg.lease_ttl_s:
+        raise ConfigError(
+            f"lease_ttl_s ({cfg.lease_ttl_s:g}) must be > 0 and lease_heartbeat_s "
+            f"({cfg.heartbeat_s:g}) at most half of it (a live holder renews several "
+            "times per TTL)"
+        )
 
 
 def build_notice_sources(cfg: RunConfig) -> list[Any]:

@@ -37,8 +37,11 @@ class RunConfig:
         profile: profile name the values were resolved from.
         scheduler: backend name (``local``, ``slurm``, ``k8s``).
         storage: storage base: a local directory or ``s3://bucket/prefix``.
-        state_dir: local directory for run.json, events.jsonl, control/ and locks/;
-            empty means the run root (required when ``storage`` is remote).
+        state_dir: local directory for run.json, events.jsonl, control/ and locks/
+            (a machine-local cache: budgets and history travel with the run in its
+            storage); empty means the run root for local storage, and
+            :func:`default_state_dir` (``$XDG_STATE_HOME/ckrun`` or
+            ``~/.local/state/ckrun``, per storage base) for remote storage.
         notice_signal: the signal that means "notice" to supervisor and child.
         grace_s: longest time from a notice to the supervisor's own exit, seconds: the
             deadline is ``min(notice deadline, notice + grace_s)``; TERM and KILL both
@@ -72,6 +75,16 @@ class RunConfig:
             (``--resume-args 'init_from=resume'``).
         child_signal: the signal the child gets for a notice in own-checkpoint mode (the
             one the script handles); empty: SIGTERM.
+        lease_ttl_s: the run's lease expires after this many seconds without a renewal
+            (:mod:`ckrun.checkpoint.lease`); a dead holder on another machine blocks its
+            successor this long.
+        lease_heartbeat_s: seconds between lease renewals; 0: ``lease_ttl_s / 4``.
+        wait_for_lease_s: how long a starting supervisor waits for another owner's
+            lease to be released or to expire before exiting 2.  When not set anywhere
+            (source ``default``): ``2 * lease_ttl_s`` for a requeued or booting attempt on
+            a cloud profile (``notice_sources`` set), a requeued Slurm job
+            (``SLURM_RESTART_COUNT`` > 0) or a Kubernetes pod, else 0 (exit 2 at once,
+            naming the holder).
         options: the backend's frozen ``Options`` instance.
         cloud: keys of ``ckrun.cloud.CloudOptions`` set in the profile/env/CLI
             (``aws_poll_interval_s``, ...), handed to ``ckrun.cloud.build_sources``, and
@@ -105,6 +118,9 @@ class RunConfig:
     checkpoint_paths: tuple[str, ...] = ()
     resume_args: tuple[str, ...] = ()
     child_signal: str = ""
+    lease_ttl_s: float = 60.0
+    lease_heartbeat_s: float = 0.0
+    wait_for_lease_s: float = 0.0
     options: Any = None
     cloud: Mapping[str, Any] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -118,17 +134,20 @@ class RunConfig:
     def state_root(self) -> str:
         """Local directory holding run.json, events.jsonl, control/ and locks/.
 
-        Raises:
-            ConfigError: when storage is remote and no ``state_dir`` is configured.
+        ``state_dir``/RUN; for local storage without it the run root; for remote storage
+        without it :func:`default_state_dir`/RUN (a fresh machine needs nothing but the
+        storage URL).
         """
         if self.state_dir:
             return os.path.join(self.state_dir, self.run)
         if not is_local_storage(self.storage):
-            raise ConfigError(
-                f"storage {self.storage!r} is remote: set state_dir (a local directory for "
-                "run.json, events and locks) in the profile or with CKRUN_STATE_DIR"
-            )
+            return os.path.join(default_state_dir(self.storage), self.run)
         return os.path.join(self.storage.removeprefix("file://"), self.run)
+
+    @property
+    def heartbeat_s(self) -> float:
+        """Seconds between lease renewals (``lease_heartbeat_s`` or ``lease_ttl_s / 4``)."""
+        return self.lease_heartbeat_s or self.lease_ttl_s / 4
 
     def launch_identity(self) -> dict[str, Any]:
         """What defines the experiment's launch: argv (argv[0] by basename).
@@ -191,6 +210,20 @@ class RunConfig:
             sources=dict(d.get("sources") or {}),
             cloud=dict(d.get("cloud") or {}),
         )
+
+
+def default_state_dir(storage: str, environ: Mapping[str, str] | None = None) -> str:
+    """The machine-local cache of runs on remote ``storage`` when no ``state_dir`` is set.
+
+    ``$XDG_STATE_HOME/ckrun/<host-part>-<hash>`` (XDG Base Directory Specification;
+    ``~/.local/state`` when unset), one directory per storage base so two buckets'
+    runs of one name never share a cache.
+    """
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", storage.split("://", 1)[-1]).strip("-")[:40]
+    digest = hashlib.sha256(storage.rstrip("/").encode()).hexdigest()[:8]
+    return os.path.join(base, "ckrun", f"{tag}-{digest}")
 
 
 def is_local_storage(url: str) -> bool:

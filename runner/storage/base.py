@@ -8,6 +8,17 @@ protocol relies on:
   and of its directory; S3: the PUT or CompleteMultipartUpload returned 200);
 * ``delete`` is idempotent; there is no rename, so directory atomicity is the
   checkpointer's job (publish the manifest last);
+* conditional writes: ``put(if_absent=True)`` creates only (local ``link(2)``, S3
+  ``If-None-Match: *``); ``put(if_match=version)`` replaces only the version read by
+  :meth:`Storage.get_versioned` (a compare-and-swap: local, a ``flock(2)`` on the
+  directory around read-compare-rename; S3, ``If-Match`` on the ETag).  Conditional
+  writes of one key are linearizable with each other; a plain ``put``/``delete`` racing a
+  conditional update may be lost, so a key managed by compare-and-swap (the run's lease)
+  is written only conditionally.  A version token identifies the bytes *and* the write
+  where the backend can (local: inode, mtime and content hash) but S3's ETag of a single
+  PUT is the MD5 of the content, so two writes of identical bytes may carry the same
+  token: a compare-and-swap user makes every write's bytes unique (the lease carries a
+  renewal counter);
 * keys are relative POSIX paths (``a/b/c``); :func:`validate_key` rejects absolute keys,
   ``..``, empty components and backslashes, so a manifest cannot name a file outside the
   run.
@@ -31,11 +42,15 @@ class ObjectInfo:
         key: the object's key relative to the storage root.
         size_bytes: its size in bytes.
         mtime: modification time, seconds since the epoch (UTC), when known.
+        version: the version token of this write (S3 ETag; local: inode, mtime and
+            content hash), set by conditional writes and :meth:`Storage.get_versioned`;
+            None when not known.
     """
 
     key: str
     size_bytes: int
     mtime: float | None = None
+    version: str | None = None
 
 
 @runtime_checkable
@@ -71,17 +86,39 @@ class Storage(Protocol):
 
     Errors: every method raises a :class:`ckrun.errors.StorageError` subclass
     (``StorageFull``, ``StoragePermissionError``, ``ObjectNotFound``, ``ObjectExists``,
-    ``InvalidKey``), chained from the backend's own exception.
+    ``InvalidKey``, ``PreconditionFailed``), chained from the backend's own exception.
     """
 
     url: str
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
+    def put(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
         """Store ``data`` under ``key`` atomically and durably.
 
         Args:
             if_absent: conditional create; raise ``ObjectExists`` if the key exists
                 (local: ``link(2)``; S3: ``If-None-Match: *``).
+            if_match: conditional update (compare-and-swap): replace the object only if
+                its current version token is ``if_match`` (from :meth:`get_versioned` or
+                a previous conditional write); otherwise raise ``PreconditionFailed``
+                (also when the key is absent).  Exclusive with ``if_absent``.
+
+        Returns:
+            The object's info; ``version`` is set after a conditional write.
+        """
+        ...
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The whole object and its version token, read together (one GET / one open).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
         """
         ...
 
@@ -103,6 +140,16 @@ class Storage(Protocol):
 
     def open_read(self, key: str) -> IO[bytes]:
         """Open ``key`` for streaming reads (a binary file-like object)."""
+        ...
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with bytes ``[offset, offset + len(buf))`` of ``key`` (a ranged
+        read: local ``preadv``, S3 ``GetObject`` with ``Range``).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+            StorageError: the object ends before ``offset + len(buf)`` (names the key).
+        """
         ...
 
     def local_path(self, key: str) -> str | None:

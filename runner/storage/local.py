@@ -39,6 +39,7 @@ from ckrun.storage.local_writer import (
     LocalWriter,
     fsync_dir,
     object_path,
+    read_versioned,
 )
 
 __all__ = ["WRITE_BEHIND_BYTES", "DirectUnsupported", "LocalStorage", "LocalWriter"]
@@ -123,19 +124,43 @@ class LocalStorage:
 
         return open_shard
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
+    def put(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
         """Store ``data`` under ``key`` atomically and durably.
 
         Args:
             if_absent: create only; ``ObjectExists`` when the key exists (``link(2)``
                 fails with EEXIST instead of replacing).
+            if_match: replace only that version (compare-and-swap, see
+                :meth:`LocalWriter.commit_if_match`); ``PreconditionFailed`` otherwise.
         """
         w = LocalWriter(self, key, write_behind=False)
         try:
             w.write(data)
+            if if_match is not None:
+                if if_absent:
+                    raise ValueError("put: if_absent and if_match are exclusive")
+                return w.commit_if_match(if_match)
             return w.commit(if_absent=if_absent)
         finally:
             w.abort()  # closes a still-open temp file and removes it; no-op after commit
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object and its version token (inode, mtime, content hash) of one open.
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+        """
+        try:
+            return read_versioned(self._path(key))
+        except OSError as e:
+            raise _read_error(e, key, self.url) from e
 
     def put_file(self, key: str, path: str) -> ObjectInfo:
         """Copy the local file ``path`` to ``key`` (atomic, durable)."""
@@ -165,6 +190,27 @@ class LocalStorage:
             return open(self._path(key), "rb", buffering=0)
         except OSError as e:
             raise _read_error(e, key, self.url) from e
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset`` of ``key`` with ``preadv`` (see ``Storage``)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise _read_error(e, key, self.url) from e
+        try:
+            done, n = 0, len(buf)
+            while done < n:
+                got = os.preadv(fd, [buf[done : done + (64 << 20)]], offset + done)
+                if not got:
+                    raise StorageError(
+                        f"{self.url}/{key}: ends before byte {offset + n} "
+                        f"(read {offset + done}); the object is truncated"
+                    )
+                done += got
+        except OSError as e:
+            raise _read_error(e, key, self.url) from e
+        finally:
+            os.close(fd)
 
     def local_path(self, key: str) -> str | None:
         """The absolute path of ``key``."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import hashlib
 import os
 import secrets
 import time
 from typing import Protocol
 
-from ckrun.errors import ObjectExists, StorageError, map_os_error
+from ckrun.errors import ObjectExists, PreconditionFailed, StorageError, map_os_error
 from ckrun.storage.base import ObjectInfo, validate_key
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "fsync_dir",
     "make_dirs",
     "object_path",
+    "read_versioned",
+    "version_of",
 ]
 
 TEMP_PREFIX = ".ckrun-tmp-"
@@ -195,7 +199,7 @@ class LocalWriter:
 
         Args:
             if_absent: create only: ``link(2)`` instead of the rename, so an existing
-                key is never replaced.
+                key is never replaced; the info then carries the new version token.
 
         Raises:
             ObjectExists: ``if_absent`` and the key exists (nothing is written).
@@ -204,10 +208,9 @@ class LocalWriter:
         """
         if self._fd is None:
             raise StorageError(f"commit of {self.key} after commit/abort")
+        version: str | None = None
         try:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            version = self._sync(versioned=if_absent)
             if if_absent:
                 try:
                     os.link(self._tmp, self._final)
@@ -226,7 +229,58 @@ class LocalWriter:
         except OSError as e:
             self.abort()
             raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
-        return ObjectInfo(self.key, self.bytes_written, time.time())
+        return ObjectInfo(self.key, self.bytes_written, time.time(), version)
+
+    def commit_if_match(self, if_match: str) -> ObjectInfo:
+        """Commit only over the version ``if_match`` (compare-and-swap under an exclusive
+        ``flock(2)`` of the key's directory: read the current version, compare, rename).
+        ``flock`` is local to one kernel: across machines use S3, or a filesystem whose
+        ``flock`` is cluster-wide.
+
+        Returns:
+            The object's info with its new version token.
+
+        Raises:
+            PreconditionFailed: ``if_match`` is not the current version (or no object);
+                nothing changed.
+            StorageFull, StorageError: as :meth:`commit`.
+        """
+        if self._fd is None:
+            raise StorageError(f"commit of {self.key} after commit/abort")
+        try:
+            version = self._sync(versioned=True)
+            dfd = os.open(os.path.dirname(self._final), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_EX)
+                try:
+                    current: str | None = read_versioned(self._final)[1]
+                except FileNotFoundError:
+                    current = None
+                if current != if_match:
+                    raise PreconditionFailed(
+                        f"{self.key} in {self._storage.url} changed (version "
+                        f"{current or 'absent'}, expected {if_match}): a conditional update "
+                        "lost the race"
+                    )
+                os.replace(self._tmp, self._final)
+            finally:
+                os.close(dfd)  # releases the flock
+            fsync_dir(os.path.dirname(self._final))
+        except OSError as e:
+            raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
+        finally:
+            self.abort()  # the temp file if it is still there; no-op after the rename
+        assert version is not None
+        return ObjectInfo(self.key, self.bytes_written, time.time(), version)
+
+    def _sync(self, *, versioned: bool) -> str | None:
+        """fsync and close the temp file; its version token when ``versioned`` (small
+        conditional objects: the bytes are read back to hash them)."""
+        assert self._fd is not None
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        return read_versioned(self._tmp)[1] if versioned else None  # the fd is write-only
 
     def abort(self) -> None:
         """Close and remove the temp file; idempotent."""
@@ -249,3 +303,25 @@ class LocalWriter:
             self.abort()
         elif self._fd is not None:
             self.commit()
+
+
+def version_of(st: os.stat_result, data: bytes | memoryview) -> str:
+    """A file's version token: inode, mtime (ns) and the first 64 bits of its SHA-256.
+
+    A conditional write always renames a new file (a new inode while the old one
+    exists), so a token names one write; the content hash keeps a reused inode number
+    with a coarse mtime from ever matching an older token for different bytes.
+    """
+    digest = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{digest}"
+
+
+def read_versioned(path: str) -> tuple[bytes, str]:
+    """The file's bytes and version token from one open.
+
+    Raises:
+        OSError: FileNotFoundError when absent, or another read error.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+        return data, version_of(os.fstat(f.fileno()), data)

@@ -118,16 +118,49 @@ class S3Storage:
             ) from exc
 
     # -- writes -----------------------------------------------------------------------
-    def open_write(self, key: str, *, if_absent: bool = False) -> S3Writer:
+    def open_write(
+        self, key: str, *, if_absent: bool = False, if_match: str | None = None
+    ) -> S3Writer:
         """A streaming writer, invisible under ``key`` until commit (see ``S3Writer``)."""
         self.object_key(key)
-        return S3Writer(self, key, if_absent=if_absent)
+        return S3Writer(self, key, if_absent=if_absent, if_match=if_match)
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> ObjectInfo:
-        """Store ``data`` under ``key`` (``If-None-Match: *`` when ``if_absent``)."""
-        with self.open_write(key, if_absent=if_absent) as w:
+    def put(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        """Store ``data`` under ``key`` (``If-None-Match: *`` when ``if_absent``,
+        ``If-Match: <ETag>`` with ``if_match``; see :class:`S3Writer` for the errors)."""
+        with self.open_write(key, if_absent=if_absent, if_match=if_match) as w:
             w.write(data)
-        return ObjectInfo(key, w.bytes_written, time.time())
+        return ObjectInfo(key, w.bytes_written, time.time(), w.version)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object (CRC32C checked) and its ETag, from one GET.
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+        """
+        resp = self.call("get_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
+        raw = ResumableReader(
+            self._client,
+            self.bucket,
+            self.object_key(key),
+            key,
+            resp,
+            self._expected_crc(resp),
+            self.options.s3_max_attempts,
+            lambda e: map_s3_error(
+                e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
+            ),
+        )
+        with raw:
+            data = raw.readall()
+        return data, str(resp["ETag"])
 
     def put_file(self, key: str, path: str) -> ObjectInfo:
         """Upload the local file ``path`` under ``key`` (multipart when large)."""
@@ -193,6 +226,39 @@ class S3Storage:
     def endpoint(self) -> str:
         """The endpoint URL the client talks to."""
         return str(self._client.meta.endpoint_url)
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset`` of ``key`` with one ranged ``GetObject`` (see
+        ``Storage``; the caller verifies the range by its own CRC32C)."""
+        n = len(buf)
+        if not n:
+            return
+        resp = self.call(
+            "get_object", key, Key=self.object_key(key), Range=f"bytes={offset}-{offset + n - 1}"
+        )
+        body = resp["Body"]
+        done = 0
+        try:
+            while done < n:
+                data = body.read(min(n - done, 8 << 20))
+                if not data:
+                    raise StorageError(
+                        f"{self.url}/{key}: ends before byte {offset + n} (read "
+                        f"{offset + done}); the object is truncated"
+                    )
+                buf[done : done + len(data)] = data
+                done += len(data)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise map_s3_error(
+                exc,
+                op="get_object",
+                url=f"{self.url}/{key}",
+                endpoint=self._client.meta.endpoint_url,
+            ) from exc
+        finally:
+            body.close()
 
     def get(self, key: str) -> bytes:
         """The whole object (CRC32C checked); ``ObjectNotFound`` if absent."""

@@ -29,6 +29,7 @@ import crc32c
 from ckrun.errors import (
     ObjectExists,
     ObjectNotFound,
+    PreconditionFailed,
     StorageError,
     StoragePermissionError,
 )
@@ -94,10 +95,29 @@ class S3Writer:
         key: the destination key (relative to the storage root).
         bytes_written: bytes accepted so far.
         crc: running CRC32C of the bytes written (int).
+        version: the ETag S3 returned for the committed object (None before commit).
+
+    ``if_absent`` sends ``If-None-Match: *`` and ``if_match`` sends ``If-Match: <ETag>``
+    with the PUT or the multipart completion (S3 conditional writes, AWS S3 User Guide
+    "Add preconditions to S3 operations with conditional requests"): a 412 becomes
+    ``ObjectExists`` or ``PreconditionFailed``; for ``if_match`` a missing key (404) and a
+    concurrent conditional write (409 ``ConditionalRequestConflict``) are
+    ``PreconditionFailed`` too.
     """
 
-    def __init__(self, storage: S3Bucket, key: str, *, if_absent: bool = False) -> None:
+    def __init__(
+        self,
+        storage: S3Bucket,
+        key: str,
+        *,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> None:
+        if if_absent and if_match is not None:
+            raise ValueError("S3Writer: if_absent and if_match are exclusive")
         self.key = key
+        self.version: str | None = None
+        self._if_match = if_match
         self.bytes_written = 0
         self.crc = 0
         self._s = storage
@@ -206,10 +226,12 @@ class S3Writer:
         if self._done:
             raise StorageError(f"commit of {self.key} after commit/abort")
         cond = {"IfNoneMatch": "*"} if self._if_absent else {}
+        if self._if_match is not None:
+            cond = {"IfMatch": self._if_match}
         try:
             if self._upload_id is None:
                 self._s.limiter.acquire(len(self._buf))
-                self._s.call(
+                resp = self._s.call(
                     "put_object",
                     self.key,
                     Key=self._obj,
@@ -223,7 +245,7 @@ class S3Writer:
                     self._submit(bytes(self._buf))
                 while self._pending:
                     self._parts.append(self._pending.popleft().result())
-                self._s.call(
+                resp = self._s.call(
                     "complete_multipart_upload",
                     self.key,
                     Key=self._obj,
@@ -233,13 +255,29 @@ class S3Writer:
                     ChecksumType="FULL_OBJECT",
                     **cond,
                 )
+        except (ObjectExists, ObjectNotFound) as exc:
+            self.abort()
+            if self._if_match is None:
+                raise
+            raise PreconditionFailed(
+                f"{self._obj} changed or is gone (expected version "
+                f"{self._if_match}): a conditional update lost the race"
+            ) from exc
+        except StorageError as exc:
+            self.abort()
+            if self._if_match is not None and "ConditionalRequestConflict" in str(exc):
+                raise PreconditionFailed(
+                    f"{self._obj}: a concurrent conditional write won"
+                ) from exc
+            raise
         except BaseException:
             self.abort()
             raise
         self._done = True
         self._shutdown()
         self._buf = bytearray()
-        return ObjectInfo(self.key, self.bytes_written, time.time())
+        self.version = str(resp.get("ETag") or "") or None
+        return ObjectInfo(self.key, self.bytes_written, time.time(), self.version)
 
     def abort(self) -> None:
         """Discard the write; aborts the multipart upload (idempotent, never raises)."""

@@ -85,8 +85,6 @@ class RunDirBudgets:
         write_json_atomic(self.path, asdict(budgets))
 
     def reset(self) -> None:
-        """Remove the record."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Start over: a record of zeros (newer than the run's record in storage, so the
+        next supervisor here starts the new submission at zero)."""
+        self.save(RunBudgets())

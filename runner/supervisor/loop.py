@@ -29,7 +29,14 @@ loop runs in tests with a fake clock and fake processes.  The signal handlers st
 installed until the process exits (a notice signal after the end, e.g. Slurm's
 time-limit USR1 just after completion, is ignored instead of killing the supervisor).
 The run's budgets are read at start and written on each change
-(:mod:`ckrun.supervisor.budgets`).
+(:mod:`ckrun.supervisor.budgets`); the owner keeps them, its attempts and its events in
+the run's storage (:mod:`ckrun.supervisor.runstate`), so a fresh machine continues them.
+
+Ownership (DESIGN.md §7): before anything else the supervisor acquires the run's lease
+(:mod:`ckrun.supervisor.ownership`; another live owner → wait or exit 2), gives the
+child its epoch (``CKRUN_LEASE_EPOCH``, fencing its commits), renews it from a heartbeat
+thread, checks it before every preflight, and releases it on exit.  A lost lease becomes
+a ``lease_lost`` notice: the child is told and drained, then exit 2, no requeue.
 """
 
 from __future__ import annotations
@@ -54,8 +61,10 @@ from ckrun.supervisor import launch, process
 from ckrun.supervisor import machine as sm
 from ckrun.supervisor.budgets import BudgetStore, RunBudgets, RunDirBudgets
 from ckrun.supervisor.machine import Phase, Policy, State, step
+from ckrun.supervisor.ownership import Ownership
 from ckrun.supervisor.ports import Clock, MonotonicClock, OsProcessTable, ProcessTable
 from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
+from ckrun.supervisor.runstate import MirroredEventLog, RunState, StorageBudgets
 from ckrun.supervisor.watched import WatchedFiles, deliver_to_script, mark_started
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "policy_of", "step"]
@@ -119,6 +128,7 @@ class Supervisor:
         self.clock: Clock = clock or MonotonicClock()
         self.procs: ProcessTable = procs or OsProcessTable()
         self.budgets: BudgetStore = budgets or RunDirBudgets(rundir.root)
+        self._own_budgets = budgets is None
         self.restore_signals = restore_signals
         self.out = out or sys.stderr
         self.notice_sig = cfg.signal_number()
@@ -133,6 +143,9 @@ class Supervisor:
         self._watched: WatchedFiles | None = None
         self._wake_r = -1
         self.state = sm.State(policy=policy_of(cfg))
+        self.owner: Ownership | None = None
+        self.runstate: RunState | None = None
+        self._lost_sent = False
 
     # ------------------------------------------------------------ plumbing
     @property
@@ -200,6 +213,32 @@ class Supervisor:
         Raises:
             CkrunError: storage unusable during preflight (exit 5), and similar.
         """
+        job = self.job
+        self.runstate = RunState(self.storage)
+        self.events = MirroredEventLog(
+            self.rundir.events_path, self.cfg.run, self.runstate, fallback=self.out
+        )
+        if job is not None and job.rank != 0:  # the node of rank 0 owns a multi-node run
+            return self._installed()
+        owner = self.owner = Ownership(
+            self.cfg,
+            self.storage,
+            job_id=job.job_id if job else None,
+            attempt=launch.prior_attempts(self.rundir, self.storage),
+            say=self.say,
+        )
+        owner.acquire()  # before preflight; LeaseHeld: exit 2 naming the holder
+        try:
+            self.runstate.activate(owner.epoch)
+            if self._own_budgets:
+                local = RunDirBudgets(self.rundir.root)
+                self.budgets = StorageBudgets(self.runstate, local)  # travel with the run
+            return self._installed()
+        finally:
+            self.runstate.flush()  # budgets and events reach storage while still owned
+            owner.release()
+
+    def _installed(self) -> int:
         restore = self._install()
         try:
             return self._run()
@@ -213,7 +252,10 @@ class Supervisor:
         b = self.budgets.load()
         self.state = sm.State(
             policy=self.state.policy,
-            attempt=launch.prior_attempts(self.rundir, self.storage),
+            attempt=max(
+                launch.prior_attempts(self.rundir, self.storage),
+                self.runstate.record.attempts if self.runstate else 0,
+            ),
             preemptions=b.preemptions,
             failures=b.failures,
             no_progress=b.no_progress,
@@ -230,6 +272,7 @@ class Supervisor:
             job_id=job.job_id if job else None,
             rank=job.rank if job else 0,
             budgets=dataclasses.asdict(b),
+            lease_epoch=self.owner.epoch if self.owner else None,
         )
         if job is not None and job.backend != "local":
             self.say(
@@ -269,6 +312,8 @@ class Supervisor:
                 lead = getattr(src, "lead_s", None)
                 self._queue.append(self._notice_event(n, now, lead, self_term=n.kind != DRILL))
         self._reap(now)
+        if self.owner is not None and self.owner.lost is not None and not self._lost_sent:
+            self._queue.append(self._lease_lost(self.owner.lost, now))
         self._poll_own_checkpoint(now)
         self._queue.append(sm.Tick(self.clock.monotonic()))
 
@@ -299,6 +344,13 @@ class Supervisor:
         lost = w.lost_report(status, self.state.notice_at)
         if lost:
             self.say(lost)
+
+    def _lease_lost(self, why: str, now: float) -> sm.NoticeEvent:
+        """The heartbeat found the lease taken over: tell the child, stop (exit 2)."""
+        self._lost_sent = True
+        self.say(why)
+        n = Notice.with_lead(TERMINATION, "lease:lost", self.cfg.grace_s, {"reason": why})
+        return self._notice_event(n, now, lease_lost=True)
 
     def _feed(self, ev: sm.Event) -> None:
         self.state, actions = sm.step(self.state, ev)
@@ -473,6 +525,10 @@ class Supervisor:
     def _preflight(self) -> sm.Event:
         from ckrun.supervisor.preflight import preflight
 
+        if self.owner is not None:
+            lost = self.owner.check()  # renew now: never start a child without the lease
+            if lost is not None:
+                return self._lease_lost(lost, self.clock.monotonic())
         rep = preflight(self.cfg, self.rundir, self.storage)
         for w in rep.warnings:
             self.say("warning: " + w)
@@ -484,6 +540,15 @@ class Supervisor:
             fn(*args)
         except OSError as e:
             self.say(f"warning: cannot {what} ({e}); continuing")
+
+    def _child_env(self, attempt: int, resume_step: int | None) -> dict[str, str]:
+        env = launch.child_env(self.cfg, self.rundir, attempt, resume_step)
+        env.pop("CKRUN_LEASE_EPOCH", None)
+        if self.owner is not None and self.owner.epoch is not None:
+            env["CKRUN_LEASE_EPOCH"] = str(self.owner.epoch)  # fences the child's commits
+        if self.runstate is not None:
+            self.runstate.update(attempts=attempt + 1)
+        return env
 
     def _hold(self, attempt: int) -> None:
         if self.lock is not None:
@@ -498,7 +563,7 @@ class Supervisor:
         try:
             self.child = self.procs.spawn(
                 self._own_checkpoint_command(a.attempt, launch.command(self.cfg, self.job)),
-                launch.child_env(self.cfg, self.rundir, a.attempt, a.resume_step),
+                self._child_env(a.attempt, a.resume_step),
                 track_tree=self.cfg.nproc_per_node * self.cfg.nnodes > 1,
             )
         except (OSError, CkrunError) as e:

@@ -20,8 +20,11 @@ Phases::
 * ``PREEMPTED`` waits for the :class:`Requeued` outcome of the scheduler: restart here
   (local backend → ``PREFLIGHT`` of the next attempt), requeued (exit 75/76) or failed
   (``REQUEUE_FAILED``, exit 6).  A SIGTERM aimed at the supervisor itself is never
-  answered by restarting in the same process.  One notice, one requeue: notices while
-  the requeue is pending, during back-off or during preflight never count twice.
+  answered by restarting in the same process.  A lost lease (another supervisor took
+  the run over, DESIGN.md §7) is a notice with ``lease_lost``: the child is drained
+  (its commit is refused by fencing), then ``LEASE_LOST``, exit 2, no requeue.  One
+  notice, one requeue: notices while the requeue is pending, during back-off or during
+  preflight never count twice.
 * Strays: once the command's own process has exited, what is left of its session gets
   TERM ``stray_s`` later and KILL ``stray_s`` after that (unless a notified process is
   still saving; then the notice deadline applies).
@@ -76,6 +79,7 @@ from ckrun.supervisor.outcomes import (
     INTERRUPTED,
     Result,
     exited,
+    lost,
     preempted,
     requeued,
     stop,
@@ -194,6 +198,8 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
             step=ev.step,
             diff=list(ev.diff),
         )
+    if s.lease_lost:
+        return lost(s)
     if ev.outcome == PreflightOutcome.CANCELLED or (s.cancel and not s.ctrl_c):
         return stop(
             s,
@@ -240,7 +246,12 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
 
 
 def _notice(s: State, ev: NoticeEvent) -> Result:
-    s = update(s, cancel=s.cancel or ev.cancel, self_term=s.self_term or ev.self_term)
+    s = update(
+        s,
+        cancel=s.cancel or ev.cancel,
+        self_term=s.self_term or ev.self_term or ev.lease_lost,
+        lease_lost=s.lease_lost or ev.lease_lost,
+    )
     what = f"notice {ev.source} ({ev.kind})"
     fields: dict[str, Any] = {"source": ev.source, "notice_kind": ev.kind}
     if s.phase in (Phase.DRAINING, Phase.STOPPING):

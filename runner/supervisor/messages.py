@@ -119,6 +119,7 @@ class NoticeEvent:
     now: float = 0.0
     self_term: bool = False
     cancel: bool = False
+    lease_lost: bool = False
 
 
 @dataclass(frozen=True)

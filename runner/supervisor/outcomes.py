@@ -54,6 +54,18 @@ def stop(s: State, phase: Phase, code: int, kind: str, msg: str, **f: Any) -> Re
     return s, [Log(kind, msg, dict(f, exit_code=code)), Exit(code)]
 
 
+def lost(s: State, ck: str = "") -> Result:
+    """The run's lease was taken over (DESIGN.md §7): exit 2, never requeue."""
+    return stop(
+        s,
+        Phase.LEASE_LOST,
+        ExitCode.USAGE,
+        "lease_lost",
+        "the run's lease was taken over by another supervisor: this one stops without "
+        "requeueing" + (f"; {ck}" if ck else ""),
+    )
+
+
 def newer(step: int | None, base: int | None) -> bool:
     return step is not None and (base is None or step > base)
 
@@ -231,6 +243,9 @@ def preempted(
         "new_checkpoint": progress,
         "exit_code": int(code),
     }
+    if s.lease_lost:
+        s, more = lost(s, ck)
+        return s, [*acts, *more]
     if s.cancel:
         final = INTERRUPTED if s.ctrl_c else ExitCode.OK
         s, more = stop(s, Phase.CANCELLED, final, "cancelled", f"cancelled; {ck}", **fields)

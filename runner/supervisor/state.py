@@ -35,6 +35,7 @@ class Phase(str, enum.Enum):
     PREEMPTED = "PREEMPTED"
     REQUEUE_FAILED = "REQUEUE_FAILED"
     CANCELLED = "CANCELLED"
+    LEASE_LOST = "LEASE_LOST"  # another supervisor took the run over: exit 2
 
 
 TERMINAL = frozenset(
@@ -45,6 +46,7 @@ TERMINAL = frozenset(
         Phase.FAILED,
         Phase.REQUEUE_FAILED,
         Phase.CANCELLED,
+        Phase.LEASE_LOST,
     }
 )
 
@@ -161,6 +163,7 @@ class State:
     ctrl_c: bool = False
     interrupt_at: float | None = None
     self_term: bool = False
+    lease_lost: bool = False
     interrupted: int | None = None
     pending_code: int | None = None
     exit_code: int | None = None

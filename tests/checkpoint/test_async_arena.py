@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint import sharding, st_format
 from ckrun.checkpoint.host_buffers import CHUNK, ArenaWriter, HostBuffers
 from ckrun.errors import ConfigError
 from ckrun.storage.local import LocalStorage
@@ -33,9 +34,10 @@ def _write(
     st: LocalStorage, key: str, snap: fmt.Snapshot, open_shard: object = None
 ) -> tuple[bytes, int, str]:
     w = (open_shard or st.open_write)(key)  # type: ignore[operator]
-    size, crc = fmt.write_shard(w, snap)
+    # the production writer (format 2, issue 14), whose layout the arena follows
+    out = st_format.write(w, snap.tree, snap.tensors, sharding.tensor_paths(snap.tree))
     w.commit()
-    return (Path(st.root) / key).read_bytes(), size, crc
+    return (Path(st.root) / key).read_bytes(), out.size_bytes, out.checksum
 
 
 def test_zero_copy_file_is_byte_identical(tmp_path: Path) -> None:

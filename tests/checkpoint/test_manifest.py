@@ -80,7 +80,7 @@ def test_unparsable(data: bytes) -> None:
         Manifest.loads(data, key="m")
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", None])
+@pytest.mark.parametrize("version", [3, 0, "1", None])  # 2: tensor_layout (issue 14)
 def test_unknown_version(version: Any) -> None:
     with pytest.raises(UnsupportedFormat, match="format_version"):
         Manifest.loads(_mutated(lambda b: b.update(format_version=version)), key="m")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ckrun.config import build_notice_sources, resolve
-from metaservers import AwsImds, GcpMetadata, wait_notice
+from metaservers import AwsImds, AzureImds, GcpMetadata, wait_notice
 
 
 def test_aws_spot_profile(aws: AwsImds, closing, monkeypatch) -> None:
@@ -25,3 +25,15 @@ def test_gcp_spot_profile(gcp: GcpMetadata, closing, monkeypatch) -> None:
     (src,) = [closing(s) for s in build_notice_sources(cfg)]
     gcp.preempt()
     assert wait_notice(src).source == "gcp"
+
+
+def test_azure_spot_profile(azure: AzureImds, closing, monkeypatch) -> None:
+    # issue 12: shipped beside aws-spot and gcp-spot
+    monkeypatch.setenv("CKRUN_AZURE_METADATA_ENDPOINT", azure.url)
+    cfg = resolve(profile="azure-spot", run="r", command=("true",))
+    assert cfg.storage.startswith("s3://") and cfg.notice_sources == ("azure",)
+    assert cfg.grace_s + cfg.margin_s <= 30 and not cfg.state_dir  # Azure: >= 30 s
+    (src,) = [closing(s) for s in build_notice_sources(cfg)]
+    azure.schedule("Preempt", not_before_s=30)
+    n = wait_notice(src)
+    assert n.source == "azure" and n.detail["EventType"] == "Preempt"

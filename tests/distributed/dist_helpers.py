@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 TRAIN = str(Path(__file__).with_name("dist_train.py"))
+FSDP_TRAIN = str(Path(__file__).with_name("fsdp_train.py"))
 REPO = str(Path(__file__).resolve().parents[2])
 
 
@@ -39,13 +40,14 @@ def rank_env(rank: int, world: int, port: int, storage: str, **extra: str) -> di
 
 
 def start_world(
-    world: int, storage: str, args: list[str], **extra: str
+    world: int, storage: str, args: list[str], script: str = TRAIN, **extra: str
 ) -> list[subprocess.Popen[str]]:
-    """Start ``world`` rank processes of dist_train.py (no supervisor, no torchrun)."""
+    """Start ``world`` rank processes of ``script`` (dist_train.py; no supervisor, no
+    torchrun)."""
     port = free_port()
     return [
         subprocess.Popen(
-            [sys.executable, TRAIN, *args],
+            [sys.executable, script, *args],
             env=rank_env(r, world, port, storage, **extra),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -72,10 +74,15 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[i
 
 
 def run_world(
-    world: int, storage: str, args: list[str], timeout: float = 120, **extra: str
+    world: int,
+    storage: str,
+    args: list[str],
+    timeout: float = 120,
+    script: str = TRAIN,
+    **extra: str,
 ) -> list[int]:
     """Run ``world`` ranks to the end; their output is shown when a rank failed."""
-    procs = start_world(world, storage, args, **extra)
+    procs = start_world(world, storage, args, script, **extra)
     codes = wait_all(procs, timeout)
     if any(c not in (0, 75) for c in codes):
         out = "\n---\n".join((p.stdout.read() if p.stdout else "")[-3000:] for p in procs)
@@ -101,3 +108,42 @@ def manifests(root: str | Path) -> list[dict[str, Any]]:
 def shard_files(root: str | Path, step: int) -> list[str]:
     d = Path(root) / "checkpoints" / f"step-{step:010d}"
     return sorted(p.name for p in d.glob("shard-*")) if d.is_dir() else []
+
+
+def submit(
+    tmp: Path, run: str, world: int, script: str, train_args: list[str], *ckrun_args: str
+) -> subprocess.Popen[str]:
+    """``ckrun submit --nproc-per-node world script -- train_args`` with fast timings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKRUN_")}
+    env.update(CKRUN_KILL_DELAY_S="1", CKRUN_MARGIN_S="0.5", CKRUN_BACKOFF_S="0.1")
+    env.update(OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "ckrun.cli", "submit", "--run", run, "--storage", str(tmp)]
+    cmd += ["--nproc-per-node", str(world), *ckrun_args, script, "--", *train_args]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp
+    )
+
+
+def finish(p: subprocess.Popen[str], timeout: float = 400) -> tuple[int, str]:
+    """Exit code and output of a ``submit`` (killed after ``timeout`` s: the test fails)."""
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        raise AssertionError(f"ckrun did not finish in {timeout} s:\n{out[-4000:]}") from None
+    return p.returncode, out
+
+
+def wait_step(progress: Path, step: int, p: subprocess.Popen[str], timeout: float = 300) -> None:
+    """Wait until ``progress`` holds a step >= ``step`` (the run must stay alive)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if int(progress.read_text() or 0) >= step:
+                return
+        except (OSError, ValueError):
+            pass
+        assert p.poll() is None, f"ckrun exited early: {p.communicate()[0][-3000:]}"
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")

@@ -192,4 +192,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if dist.is_initialized():  # before interpreter exit: gloo's threads must not outlive it
+        dist.destroy_process_group()
+    sys.exit(code)

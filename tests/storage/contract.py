@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckrun.errors import InvalidKey, ObjectExists, ObjectNotFound
+from ckrun.errors import InvalidKey, ObjectExists, ObjectNotFound, PreconditionFailed
 from ckrun.storage.base import ObjectWriter, Storage
 
 BAD_KEYS = ["../escape", "a/../../b", "/abs/key", "a//b", "a/./b", "", "a\\b", "a/b/", "x\x00"]
@@ -145,3 +145,205 @@ def test_open_read_streams(storage: Storage) -> None:
     with storage.open_read("r") as f:
         assert f.read(3) == b"\x00\x01\x02"
         assert len(f.read()) == 2560 - 3
+
+
+def test_conditional_update_compare_and_swap(storage: Storage) -> None:
+    created = storage.put("cas/obj", b"v1", if_absent=True)
+    data, v1 = storage.get_versioned("cas/obj")
+    assert data == b"v1" and created.version == v1
+    upd = storage.put("cas/obj", b"v2", if_match=v1)
+    data, v2 = storage.get_versioned("cas/obj")
+    assert data == b"v2" and upd.version == v2 and v2 != v1
+    with pytest.raises(PreconditionFailed):  # a stale version is refused
+        storage.put("cas/obj", b"stale", if_match=v1)
+    assert storage.get("cas/obj") == b"v2"
+    with pytest.raises(PreconditionFailed):  # no object: nothing to compare with
+        storage.put("cas/missing", b"x", if_match=v1)
+    assert storage.head("cas/missing") is None
+    with pytest.raises(ObjectNotFound):
+        storage.get_versioned("cas/missing")
+
+
+def test_conditional_update_one_winner(storage: Storage) -> None:
+    """Two writers holding the same version: exactly one update succeeds."""
+    import threading
+
+    storage.put("cas/race", b"base", if_absent=True)
+    _, v = storage.get_versioned("cas/race")
+    outcomes: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        try:
+            storage.put("cas/race", f"writer-{i}".encode(), if_match=v)
+            outcomes.append(f"writer-{i}")
+        except PreconditionFailed:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [o for o in outcomes if o != "refused"]
+    assert len(winners) == 1 and outcomes.count("refused") == 3
+    assert storage.get("cas/race") == winners[0].encode()
+
+
+# -- the run's lease (ckrun.checkpoint.lease) over every backend ----------------------
+
+
+class _Clock:
+    """A monotonic clock the test advances (expiry without sleeping)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _lease(storage: Storage, clock: _Clock, ttl_s: float = 30.0, attempt: int = 0) -> Any:
+    from ckrun.checkpoint.lease import Lease
+
+    return Lease(storage, "r1", ttl_s=ttl_s, attempt=attempt, clock=clock, sleep=lambda s: None)
+
+
+def test_lease_acquire_renew_release(storage: Storage) -> None:
+    from ckrun.checkpoint.lease import read_lease
+
+    clock = _Clock()
+    a = _lease(storage, clock)
+    rec = a.acquire()
+    assert rec.epoch == 1 and a.epoch == 1 and rec.holder is not None
+    cur = read_lease(storage)
+    assert cur is not None and cur[0] == rec
+    a.renew()
+    a.renew()
+    cur = read_lease(storage)
+    assert cur is not None and cur[0].renewals == 2 and cur[0].epoch == 1
+    a.release()
+    cur = read_lease(storage)
+    assert cur is not None and cur[0].holder is None and cur[0].epoch == 1
+    b = _lease(storage, clock, attempt=1)
+    assert b.acquire().epoch == 2  # a released lease is taken at once, next epoch
+
+
+def test_lease_held_refuses_then_expires_and_is_taken_over(storage: Storage) -> None:
+    from ckrun.checkpoint.lease import Fence
+    from ckrun.errors import LeaseHeld, LeaseLost
+
+    clock = _Clock()
+    a = _lease(storage, clock, ttl_s=30)
+    a.holder = _foreign(a.holder)
+    a.acquire()
+    b = _lease(storage, clock)
+    with pytest.raises(LeaseHeld, match="owned by host .* pid .* epoch 1"):
+        b.acquire(wait_s=0)
+    watch: dict[str, Any] = {}
+    assert b.try_acquire(watch) is None  # B starts watching A's version
+    clock.t += 20
+    a.renew()  # A is alive: a new version restarts B's count
+    assert b.try_acquire(watch) is None
+    clock.t += 29.9
+    assert b.try_acquire(watch) is None  # not silent for a whole TTL yet
+    clock.t += 0.2
+    rec = b.try_acquire(watch)  # silent for 30.1 s on B's clock: taken over
+    assert rec is not None and rec.epoch == 2 and b.epoch == 2
+    with pytest.raises(LeaseLost, match="epoch 1 was lost"):
+        a.renew()  # conditional write of the stale holder refused
+    with pytest.raises(LeaseLost, match="refused"):
+        Fence(storage, 1).check("step 10")
+    Fence(storage, 2).check("step 10")
+    Fence(storage, None).check("step 10")  # unfenced: no supervisor
+
+
+def test_lease_takeover_race_has_one_winner(storage: Storage) -> None:
+    import threading
+
+    clock = _Clock()
+    a = _lease(storage, clock, ttl_s=5)
+    a.holder = _foreign(a.holder)
+    a.acquire()
+    rivals = [_lease(storage, clock, ttl_s=5, attempt=i) for i in range(4)]
+    watches: list[dict[str, Any]] = [{} for _ in rivals]
+    for r, w in zip(rivals, watches, strict=True):
+        assert r.try_acquire(w) is None
+    clock.t += 6
+    barrier = threading.Barrier(len(rivals))
+    won: list[int] = []
+
+    def go(i: int) -> None:
+        barrier.wait()
+        if rivals[i].try_acquire(watches[i]) is not None:
+            won.append(i)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(rivals))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and rivals[won[0]].epoch == 2
+    assert [r.epoch for i, r in enumerate(rivals) if i != won[0]] == [None] * 3
+
+
+def test_lease_creation_race_has_one_winner(storage: Storage) -> None:
+    import threading
+
+    clock = _Clock()
+    rivals = [_lease(storage, clock, attempt=i) for i in range(4)]
+    barrier = threading.Barrier(len(rivals))
+    won: list[int] = []
+
+    def go(i: int) -> None:
+        barrier.wait()
+        if rivals[i].try_acquire({}) is not None:
+            won.append(i)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(rivals))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and rivals[won[0]].epoch == 1
+
+
+def test_lease_dead_holder_on_this_machine_is_taken_at_once(storage: Storage) -> None:
+    import subprocess
+    import sys
+
+    clock = _Clock()
+    a = _lease(storage, clock)
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a pid that is gone
+    from dataclasses import replace
+
+    a.holder = replace(a.holder, pid=p.pid, started=1)
+    a.acquire()
+    b = _lease(storage, clock)
+    assert b.acquire(wait_s=0).epoch == 2
+
+
+def _foreign(holder: Any) -> Any:
+    """The holder as seen from another machine (never provably dead from here)."""
+    from dataclasses import replace
+
+    return replace(holder, machine="another-machine")
+
+
+def test_read_into_reads_a_byte_range(storage: Storage) -> None:
+    """Ranged reads (issue 14): exactly the bytes asked for; a range past the end or a
+    missing object is an error, never a short buffer."""
+    from ckrun.errors import StorageError
+
+    data = os.urandom(300_000)
+    storage.put("r/obj.bin", data)
+    buf = bytearray(1000)
+    storage.read_into("r/obj.bin", 123_457, memoryview(buf))
+    assert bytes(buf) == data[123_457:124_457]
+    storage.read_into("r/obj.bin", 0, memoryview(buf)[:0])  # empty range: nothing to read
+    with pytest.raises(StorageError):
+        storage.read_into("r/obj.bin", len(data) - 10, memoryview(bytearray(20)))
+    with pytest.raises(ObjectNotFound):
+        storage.read_into("r/missing.bin", 0, memoryview(bytearray(4)))

@@ -16,6 +16,7 @@ import pytest
 import torch
 from ckrun import control
 from ckrun.checkpoint import layout
+from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.tiering import TieredStorage, UploadPolicy
 from ckrun.errors import ConfigError
 from ckrun.notices import PREEMPTION, Notice
@@ -215,6 +216,32 @@ def test_open_from_env(moto_s3, tmp_path) -> None:
     assert t.local.url.endswith("nvme/r7")
     with pytest.raises(ConfigError):
         open_from_env(url, {"CKRUN_LOCAL_TIER": "/x", "CKRUN_REMOTE_KEEP_LAST": "0"})
+
+
+def test_lease_lives_in_the_remote_tier_and_fences_uploads(moto_s3, tmp_path, monkeypatch) -> None:
+    """Issue 12: a stale owner's local commit is refused, and so is its remote upload."""
+    from ckrun.checkpoint.lease import EPOCH_ENV, Lease, read_lease
+
+    bucket = moto_s3.new_bucket()
+    t = tiered(moto_s3, tmp_path, bucket)
+    lease = Lease(t, "r1", ttl_s=30)
+    lease.acquire()
+    assert read_lease(t.remote) is not None and t.local.head(layout.LEASE) is None
+    monkeypatch.setenv(EPOCH_ENV, str(lease.epoch))
+    state = make_state()
+    t = tiered(moto_s3, tmp_path, bucket)  # the fence is read from the environment
+    with ckrun.Checkpointer(t, rng=False) as ck:
+        ck.save(1, state)
+        assert t.flush(30) and steps_in(t.remote) == [1]
+        m = json.loads(t.remote.get(layout.manifest_key(1)))
+        assert m["lease_epoch"] == lease.epoch
+        lease.release()  # another owner may take the run now: this writer is stale
+        with pytest.raises(ckrun.errors.LeaseLost):
+            ck.save(2, state)  # the local commit is refused
+        committed = Manifest.loads(t.local.get(layout.manifest_key(1)), key=layout.manifest_key(1))
+        with pytest.raises(ckrun.errors.LeaseLost):
+            t.upload(committed)  # and so is a remote commit (and the retention after it)
+    assert steps_in(t.local) == [1] and steps_in(t.remote) == [1]
 
 
 def test_the_storage_factory_reads_no_environment_and_ckrun_open_storage_does(

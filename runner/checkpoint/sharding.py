@@ -1,0 +1,326 @@
+"""Save planning of sharded and replicated state: who writes which bytes (issue 14).
+
+Every tensor of the captured state is one of three kinds:
+
+* **DTensor** (FSDP2 ``fully_shard``, tensor parallel): each rank writes only its local
+  shard, at the global offset ``compute_local_shape_and_global_offset`` gives for its
+  mesh coordinate; a shard replicated over a mesh dimension is written by coordinate 0
+  of that dimension only (DCP's deduplication, ``torch.distributed.checkpoint``'s
+  ``dedup_save_plans``).  ``Partial`` placements are refused (reduce them first).
+* **replicated**: a plain tensor whose dtype, shape and CRC32C are equal on every rank
+  (DDP's model and optimizer state): one rank writes it.  Owners are assigned greedily,
+  largest tensor first to the rank with the fewest bytes so far, so the bytes written
+  per checkpoint equal the state size, spread evenly over the ranks.
+* **rank-local**: the RNG states, numpy arrays and any tensor that differs between ranks:
+  every rank writes its own, referenced from its own tree.
+
+Replicated and DTensor tensors are *global*: the shard's tree names them
+(``{"__ckrun__": "global", "name": g}``) and the manifest's ``layout`` records their
+global shape, dtype and every saved piece (rank, entry, offsets, lengths): a
+description that does not depend on the parallelism, like DCP's ``Metadata``.  Pieces
+are cut along dimension 0 to at most :data:`PIECE_BYTES` (``CKRUN_PIECE_BYTES``), so a
+resharded load reads at most one piece beyond what it needs at each end of a range, and
+verifies every byte it reads by the piece's CRC32C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import crc32c
+import torch
+from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint import st_format
+from ckrun.errors import CheckpointError
+from ckrun.storage.base import ObjectWriter
+
+
+class Group(Protocol):
+    """The collective :func:`plan` needs (:class:`ckrun.checkpoint.collective.Group`)."""
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank, on every rank."""
+        ...
+
+
+TAG = fmt.TAG
+PIECE_BYTES = 16 << 20
+LAYOUT_VERSION = 1
+
+
+def piece_bytes() -> int:
+    """Largest piece in bytes: ``CKRUN_PIECE_BYTES`` or :data:`PIECE_BYTES`."""
+    raw = os.environ.get("CKRUN_PIECE_BYTES", "")
+    try:
+        v = int(raw) if raw else PIECE_BYTES
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise CheckpointError(f"CKRUN_PIECE_BYTES={raw!r}: expected a number of bytes >= 1")
+    return v
+
+
+@dataclass
+class Planned(fmt.Snapshot):
+    """A snapshot cut into this rank's shard entries (module docstring).
+
+    Attributes (besides :class:`~ckrun.checkpoint.shard.Snapshot`'s, whose ``tensors``
+    are the entries to write):
+        names: entry names, one per tensor.
+        pieces: ``[global name, entry name, offsets, lengths]`` of the pieces written.
+        globals: global name → ``[dtype, shape]``.
+    """
+
+    names: list[str] = field(default_factory=list)
+    pieces: list[list[Any]] = field(default_factory=list)
+    globals: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def tensor_paths(tree: Any) -> list[str]:
+    """Unique names of the tensor placeholders of an encoded tree, by index: the dotted
+    path (``user.model.weight``, ``user.optimizer.state.0.exp_avg``, ``rng.torch``)."""
+    out: dict[int, str] = {}
+
+    def walk(v: Any, path: str) -> None:
+        if isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(x, f"{path}.{i}")
+            return
+        if not isinstance(v, dict):
+            return
+        tag = v.get(TAG)
+        if tag is None:
+            for k, x in v.items():
+                walk(x, f"{path}.{k}" if path else k)
+        elif tag in ("tensor", "ndarray"):
+            out[int(v["i"])] = path
+        elif tag == "tuple":
+            for i, x in enumerate(v["items"]):
+                walk(x, f"{path}.{i}")
+        elif tag in ("dict", "odict"):
+            for j, (k, x) in enumerate(v["items"]):
+                plain = isinstance(k, (str, int)) and not isinstance(k, bool)
+                walk(x, f"{path}.{k if plain else f'#{j}'}")
+
+    walk(tree, "")
+    names, seen = [], set()
+    for i in range(len(out)):
+        n = out[i]
+        if n in seen or "@" in n or n == "__metadata__":
+            n = f"{n}#{i}"
+        seen.add(n)
+        names.append(n)
+    return names
+
+
+def dtensor_type() -> Any:
+    """The ``DTensor`` class when ``torch.distributed.tensor`` is imported, else None (a
+    DTensor cannot exist before; importing it would cost a save ~1 s)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None)
+
+
+def dtensor_box(t: Any) -> tuple[list[int], list[int], bool]:
+    """``(global offsets, local lengths, writes)`` of a DTensor's local shard on this
+    rank; ``writes`` is False for a copy replicated over a mesh dimension at a non-zero
+    coordinate (written by coordinate 0).
+
+    Raises:
+        CheckpointError: a ``Partial`` or strided-shard placement.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    coord = t.device_mesh.get_coordinate()
+    writes = coord is not None
+    for d, p in enumerate(t.placements):
+        if p.is_partial() or type(p).__name__ == "_StridedShard":
+            raise CheckpointError(
+                f"a DTensor with placement {p} cannot be saved shard by shard; "
+                "redistribute it to Shard/Replicate placements first"
+            )
+        if p.is_replicate() and coord is not None and coord[d] != 0:
+            writes = False
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return list(offset), list(shape), writes
+
+
+def _cut(t: torch.Tensor, offsets: list[int], limit: int) -> list[tuple[torch.Tensor, list[int]]]:
+    """``t`` (at global ``offsets``) cut along dimension 0 into pieces <= ``limit`` bytes."""
+    if t.numel() == 0:
+        return []
+    if t.dim() == 0:
+        return [(t, [])]
+    row = max(1, t[0].numel() * t.element_size())
+    rows = max(1, limit // row)
+    return [(t[a : a + rows], [offsets[0] + a, *offsets[1:]]) for a in range(0, t.shape[0], rows)]
+
+
+def _fingerprint(t: torch.Tensor) -> int:
+    c = t.detach().to("cpu").contiguous()
+    return int(crc32c.crc32c(fmt.bytes_view(c))) if c.numel() else 0
+
+
+def plan(snap: fmt.Snapshot, group: Group, *, limit: int | None = None) -> Planned:
+    """Cut ``snap`` into this rank's entries; a collective when ``group`` has > 1 rank.
+
+    Raises:
+        CheckpointError: the ranks hold differently structured states, or a DTensor
+            placement that cannot be saved shard by shard.
+    """
+    limit = limit or piece_bytes()
+    dtensor = dtensor_type()
+    names = tensor_paths(snap.tree)
+    kinds: list[list[Any]] = []
+    for name, t in zip(names, snap.tensors, strict=True):
+        if dtensor is not None and isinstance(t, dtensor):
+            kinds.append(["dtensor", str(t.dtype).removeprefix("torch."), list(t.shape)])
+        elif not isinstance(t, torch.Tensor) or name.startswith("rng."):
+            kinds.append(["local"])
+        else:
+            fp = _fingerprint(t) if group.world_size > 1 else 0
+            kinds.append(["plain", str(t.dtype).removeprefix("torch."), list(t.shape), fp])
+    listing = group.all_gather([names, kinds])
+    for r, (n, k) in enumerate(listing):
+        if n != names or [x[0] for x in k] != [x[0] for x in kinds]:
+            raise CheckpointError(
+                f"rank {group.rank} and rank {r} hold differently structured states "
+                "(other tensors, other sharding); every rank must save the same state keys"
+            )
+    sizes = [0] * group.world_size
+    global_of: dict[int, int] = {}  # tensor index -> owner rank (-1: DTensor, every rank)
+    replicated = []
+    for i, k in enumerate(kinds):
+        if k[0] == "dtensor":
+            global_of[i] = -1
+        elif k[0] == "plain" and all(lst[1][i] == k for lst in listing):
+            replicated.append(i)
+        else:  # rank-local
+            for r, lst in enumerate(listing):
+                sizes[r] += _bytes_of(lst[1][i])
+    for i in sorted(replicated, key=lambda i: (-_bytes_of(kinds[i]), names[i])):
+        owner = min(range(group.world_size), key=lambda r: (sizes[r], r))
+        global_of[i] = owner
+        sizes[owner] += _bytes_of(kinds[i])
+    return _build(snap, names, kinds, global_of, group.rank, limit)
+
+
+def _bytes_of(kind: list[Any]) -> int:
+    if kind[0] == "local":
+        return 0
+    return int(math.prod(kind[2]) * fmt.DTYPES[kind[1]].itemsize)
+
+
+def _build(
+    snap: fmt.Snapshot,
+    names: list[str],
+    kinds: list[list[Any]],
+    global_of: dict[int, int],
+    rank: int,
+    limit: int,
+) -> Planned:
+    tensors: list[fmt.HostArray] = []
+    entry_names: list[str] = []
+    pieces: list[list[Any]] = []
+    globals_: dict[str, list[Any]] = {}
+    local_index: dict[int, int] = {}
+    for i, t in enumerate(snap.tensors):
+        name = names[i]
+        if i not in global_of:
+            local_index[i] = len(tensors)
+            tensors.append(t)
+            entry_names.append(name)
+            continue
+        globals_[name] = [kinds[i][1], kinds[i][2]]
+        if global_of[i] == -1:
+            offsets, _, writes = dtensor_box(t)
+            local = cast(Any, t).to_local().contiguous() if writes else None
+        else:
+            offsets, writes = [0] * len(kinds[i][2]), global_of[i] == rank
+            local = t if writes else None
+        if local is None:
+            continue
+        for part, off in _cut(local, offsets, limit):
+            whole = list(part.shape) == kinds[i][2]
+            entry = name if whole else f"{name}@{','.join(map(str, off))}"
+            tensors.append(part)
+            entry_names.append(entry)
+            pieces.append([name, entry, off, list(part.shape)])
+
+    def rebind(v: Any) -> Any:
+        if isinstance(v, list):
+            return [rebind(x) for x in v]
+        if not isinstance(v, dict):
+            return v
+        tag = v.get(TAG)
+        if tag in ("tensor", "ndarray"):
+            i = int(v["i"])
+            if i in global_of:
+                return {TAG: "global", "name": names[i]}
+            return {TAG: tag, "i": local_index[i]}
+        return {k: rebind(x) for k, x in v.items()}
+
+    nbytes = sum(fmt.nbytes(t) for t in tensors)
+    return Planned(rebind(snap.tree), tensors, nbytes, entry_names, pieces, globals_)
+
+
+def restaged(p: Planned, tensors: list[Any]) -> Planned:
+    """``p`` with its entries replaced by copies (host buffers of an async save)."""
+    return dataclasses.replace(p, tensors=tensors)
+
+
+def write_object(w: ObjectWriter, p: Planned) -> st_format.Written:
+    """Write ``p`` as a format-2 shard into ``w`` and commit it; on any error abort ``w``
+    (nothing is left under the key) and re-raise."""
+    try:
+        out = st_format.write(w, p.tree, p.tensors, p.names)
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+    return out
+
+
+def layout_part(p: Planned, written: st_format.Written) -> dict[str, Any]:
+    """This rank's contribution to the manifest's layout (JSON)."""
+    return {
+        "header_bytes": written.header_bytes,
+        "header_crc": written.header_crc,
+        "entries": written.entries,
+        "pieces": p.pieces,
+        "globals": p.globals,
+    }
+
+
+def merge_layout(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's ``layout`` from every rank's :func:`layout_part`, by rank.
+
+    Raises:
+        CheckpointError: the pieces of a tensor do not cover it exactly once (the ranks
+            planned differently), or the ranks disagree on a global tensor's shape.
+    """
+    tensors: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for g, (dt, shape) in part["globals"].items():
+            spec = tensors.setdefault(g, {"dtype": dt, "shape": shape, "pieces": []})
+            if [spec["dtype"], spec["shape"]] != [dt, shape]:
+                raise CheckpointError(f"ranks disagree on the dtype/shape of {g}")
+    for r, part in enumerate(parts):
+        for g, entry, off, lengths in part["pieces"]:
+            tensors[g]["pieces"].append([r, entry, off, lengths])
+    for g, spec in tensors.items():
+        covered = sum(math.prod(p[3]) for p in spec["pieces"])
+        if covered != math.prod(spec["shape"]):
+            raise CheckpointError(
+                f"the saved pieces of {g} cover {covered} of {math.prod(spec['shape'])} "
+                "elements: the ranks did not plan the same save"
+            )
+    shards = [{k: part[k] for k in ("header_bytes", "header_crc", "entries")} for part in parts]
+    return {"version": LAYOUT_VERSION, "shards": shards, "tensors": tensors}
