@@ -102,7 +102,7 @@ class _Reader:
         got = f"crc32c:{crc32c.crc32c(buf):08x}" if len(buf) else "crc32c:00000000"
         if got != crc:
             raise CorruptCheckpoint(
-                f"{key}: checksum mismatch in {what} (manifest {crc}, read {got})",
+                f"{key}: checksum mismatch in {what} (CRC32C mismatch: manifest {crc}, read {got})",
                 key=key,
                 step=self.m.step,
             )

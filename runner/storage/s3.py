@@ -228,37 +228,47 @@ class S3Storage:
         return str(self._client.meta.endpoint_url)
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` from ``offset`` of ``key`` with one ranged ``GetObject`` (see
-        ``Storage``; the caller verifies the range by its own CRC32C)."""
+        """Fill ``buf`` from ``offset`` of ``key`` with a ranged ``GetObject`` (see
+        ``Storage``; the caller verifies the range by its own CRC32C). A dropped stream
+        resumes with a ranged GET of the rest, pinned to the same ETag (:mod:`.s3_read`).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+            CorruptObject: the object was replaced while it was read (ETag changed).
+            StorageError: the object ends before ``offset + len(buf)`` (truncated), or the
+                stream kept failing after ``s3_max_attempts`` resumed reads.
+        """
         n = len(buf)
         if not n:
             return
         resp = self.call(
             "get_object", key, Key=self.object_key(key), Range=f"bytes={offset}-{offset + n - 1}"
         )
-        body = resp["Body"]
+        raw = ResumableReader(
+            self._client,
+            self.bucket,
+            self.object_key(key),
+            key,
+            resp,
+            None,  # a range has no stored checksum of its own: the caller checks its CRC
+            self.options.s3_max_attempts,
+            lambda e: map_s3_error(
+                e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
+            ),
+            start=offset,
+        )
         done = 0
         try:
             while done < n:
-                data = body.read(min(n - done, 8 << 20))
-                if not data:
+                got = raw.readinto(buf[done:])
+                if not got:
                     raise StorageError(
                         f"{self.url}/{key}: ends before byte {offset + n} (read "
                         f"{offset + done}); the object is truncated"
                     )
-                buf[done : done + len(data)] = data
-                done += len(data)
-        except StorageError:
-            raise
-        except Exception as exc:
-            raise map_s3_error(
-                exc,
-                op="get_object",
-                url=f"{self.url}/{key}",
-                endpoint=self._client.meta.endpoint_url,
-            ) from exc
+                done += got
         finally:
-            body.close()
+            raw.close()
 
     def get(self, key: str) -> bytes:
         """The whole object (CRC32C checked); ``ObjectNotFound`` if absent."""

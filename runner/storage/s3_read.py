@@ -58,6 +58,8 @@ class ResumableReader(io.RawIOBase):
         expected_crc: the object's full CRC32C, or None when the store has none.
         max_attempts: total GETs allowed (the first one included).
         mapper: maps a client exception to a ``StorageError`` (``map_s3_error``).
+        start: the object offset ``first`` starts at (bytes; a ranged GET), 0 for the
+            whole object; resumed GETs ask for ``[pos, start + ContentLength)``.
     """
 
     def __init__(
@@ -70,17 +72,18 @@ class ResumableReader(io.RawIOBase):
         expected_crc: int | None,
         max_attempts: int,
         mapper: Any,
+        start: int = 0,
     ) -> None:
         super().__init__()
         self._client, self._bucket, self._obj, self._key = client, bucket, obj_key, key
         self._body = first["Body"]
-        self._size = int(first["ContentLength"])
+        self._size = start + int(first["ContentLength"])  # end offset (exclusive)
         self._etag = first.get("ETag")
         self._expected = expected_crc
         self._left = max(0, max_attempts - 1)
         self._map = mapper
         self._retryable = retryable_errors()
-        self.pos = 0
+        self.pos = start
         self.resumed = 0
         self._crc = 0
 
@@ -137,7 +140,7 @@ class ResumableReader(io.RawIOBase):
             self._body.close()
         except Exception:  # noqa: BLE001 - the old connection is dead anyway
             pass
-        kw: dict[str, Any] = {"Range": f"bytes={self.pos}-"}
+        kw: dict[str, Any] = {"Range": f"bytes={self.pos}-{self._size - 1}"}
         if self._etag:
             kw["IfMatch"] = self._etag
         try:

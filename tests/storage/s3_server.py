@@ -118,7 +118,8 @@ class FaultProxy:
                     j = None
                     if self.command == "GET":
                         j = next((j for j, d in enumerate(owner.drops) if d[0] in self.path), None)
-                    drop = owner.drops.pop(j)[1] if j is not None and not fault else None
+                    # peek only: a drop is used by a body long enough to be cut
+                    drop = owner.drops[j][1] if j is not None and not fault else None
                     if fault:
                         owner.injected += 1
                     else:
@@ -139,8 +140,13 @@ class FaultProxy:
                 conn.close()
                 if drop is not None and len(data) > drop:
                     with owner.lock:
-                        owner.dropped += 1
-                    return self._send_cut(resp.status, headers, data, drop)
+                        k = next((k for k, d in enumerate(owner.drops) if d[0] in self.path), None)
+                        cut = k is not None
+                        if cut:
+                            owner.drops.pop(k)
+                            owner.dropped += 1
+                    if cut:
+                        return self._send_cut(resp.status, headers, data, drop)
                 self._send(resp.status, headers, data, length)
 
             def _send_cut(
@@ -192,9 +198,10 @@ class FaultProxy:
             self.faults.extend([(status, body, match)] * n)
 
     def drop_next(self, n: int, match: str, after_bytes: int) -> None:
-        """Cut the body of the next ``n`` GETs whose path contains ``match`` after
-        ``after_bytes`` bytes: headers announce the whole object, then the connection
-        closes (a connection dropped mid-download)."""
+        """Cut the body of the next ``n`` GETs whose path contains ``match`` and whose
+        body is longer than ``after_bytes``, after ``after_bytes`` bytes: headers announce
+        the whole body, then the connection closes (a connection dropped mid-download).
+        Shorter GETs of the same key (a ranged read of a shard's header) pass untouched."""
         with self.lock:
             self.drops.extend([(match, after_bytes)] * n)
 
