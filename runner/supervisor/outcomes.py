@@ -96,8 +96,15 @@ def exited(s: State, ev: ChildExited) -> Result:
         + (f" ({ev.reason}: {ev.detail})" if ev.reason else ""),
         {"status": ev.status, "step": ev.newest_step, "reason": ev.reason},
     )
-    if ev.status == 0 and (ev.reason != "preempted" or ev.complete):
-        tail = "" if ev.complete else " (no COMPLETE.json: the command did not finalize)"
+    # The completion marker decides first: a command that wrote COMPLETE.json has
+    # finished, whatever a notice that landed while it was exiting made of its status.
+    if ev.complete or (ev.status == 0 and ev.reason != "preempted"):
+        if not ev.complete:
+            tail = " (no COMPLETE.json: the command did not finalize)"
+        elif ev.status != 0:
+            tail = f" (COMPLETE.json written; the command then ended with status {ev.status})"
+        else:
+            tail = ""
         s = update(s, streak=0)
         s, acts = stop(
             s,

@@ -435,3 +435,16 @@ def test_drills_do_not_extend_the_no_progress_streak() -> None:
         draining(streak=2, notice_kind="preemption"), sm.ChildExited(75, 10, False, 101.0)
     )
     assert s.streak == 3
+
+
+def test_a_completion_marker_decides_even_when_a_late_notice_killed_the_exit() -> None:
+    # item 6: the command wrote COMPLETE.json, then a notice's SIGTERM landed while it was
+    # exiting (status 143): the run is COMPLETED, never restarted into ALREADY_COMPLETE
+    s, acts = sm.step(draining(), sm.ChildExited(143, 40, True, 105.0))
+    assert s.phase is Phase.COMPLETED and acts[-1] == sm.Exit(0)
+    assert s.preemptions == 0
+    s, acts = sm.step(running(), sm.ChildExited(75, 40, True, 105.0, reason="preempted"))
+    assert s.phase is Phase.COMPLETED and acts[-1] == sm.Exit(0)
+    # without the marker, the same exit is still a preemption
+    s, _ = sm.step(draining(), sm.ChildExited(143, 40, False, 105.0))
+    assert s.phase is Phase.PREEMPTED
