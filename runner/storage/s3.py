@@ -139,6 +139,25 @@ class S3Storage:
             w.write(data)
         return ObjectInfo(key, w.bytes_written, time.time(), w.version)
 
+    def _resumable(
+        self, key: str, resp: dict[str, Any], expected_crc: int | None, start: int = 0
+    ) -> ResumableReader:
+        """A reader of ``resp``'s body that resumes dropped streams (:mod:`.s3_read`);
+        ``expected_crc`` None when the caller verifies the bytes itself (a range)."""
+        return ResumableReader(
+            self._client,
+            self.bucket,
+            self.object_key(key),
+            key,
+            resp,
+            expected_crc,
+            self.options.s3_max_attempts,
+            lambda e: map_s3_error(
+                e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
+            ),
+            start=start,
+        )
+
     def get_versioned(self, key: str) -> tuple[bytes, str]:
         """The object (CRC32C checked) and its ETag, from one GET.
 
@@ -146,18 +165,7 @@ class S3Storage:
             ObjectNotFound: ``key`` does not exist.
         """
         resp = self.call("get_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
-        raw = ResumableReader(
-            self._client,
-            self.bucket,
-            self.object_key(key),
-            key,
-            resp,
-            self._expected_crc(resp),
-            self.options.s3_max_attempts,
-            lambda e: map_s3_error(
-                e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
-            ),
-        )
+        raw = self._resumable(key, resp, self._expected_crc(resp))
         with raw:
             data = raw.readall()
         return data, str(resp["ETag"])
@@ -208,18 +216,7 @@ class S3Storage:
         import io
 
         resp = self.call("get_object", key, Key=self.object_key(key), ChecksumMode="ENABLED")
-        raw = ResumableReader(
-            self._client,
-            self.bucket,
-            self.object_key(key),
-            key,
-            resp,
-            self._expected_crc(resp),
-            self.options.s3_max_attempts,
-            lambda e: map_s3_error(
-                e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
-            ),
-        )
+        raw = self._resumable(key, resp, self._expected_crc(resp))
         return io.BufferedReader(raw, buffer_size=1 * MiB)
 
     @property
@@ -244,19 +241,7 @@ class S3Storage:
         resp = self.call(
             "get_object", key, Key=self.object_key(key), Range=f"bytes={offset}-{offset + n - 1}"
         )
-        raw = ResumableReader(
-            self._client,
-            self.bucket,
-            self.object_key(key),
-            key,
-            resp,
-            None,  # a range has no stored checksum of its own: the caller checks its CRC
-            self.options.s3_max_attempts,
-            lambda e: map_s3_error(
-                e, op="get_object", url=f"{self.url}/{key}", endpoint=self.endpoint
-            ),
-            start=offset,
-        )
+        raw = self._resumable(key, resp, None, start=offset)
         done = 0
         try:
             while done < n:
