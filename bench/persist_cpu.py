@@ -153,7 +153,7 @@ def run(size_gib: float, root: str, reps: int, min_s: float) -> dict[str, Any]:
         a["other sys"] -= probe.cpu[1]
         cpu.setdefault("ckrun persist", []).append(a)
         with GilProbe() as probe:  # control: the probe's delays with nothing running
-            c = accounted(lambda: time.sleep(a["wall"]), None)
+            c = accounted(lambda w=a["wall"]: time.sleep(w), None)
         c["probe late"], c["probe worst"] = probe.late, probe.worst
         c["other user"] -= probe.cpu[0]
         c["other sys"] -= probe.cpu[1]
@@ -182,9 +182,7 @@ def run(size_gib: float, root: str, reps: int, min_s: float) -> dict[str, Any]:
             shares[k].append(during / ((alone[-1] + alone[-2]) / 2))
             secs[k].append(s)
     r["alone"] = statistics.median(alone)
-    r["compute"] = {
-        k: (statistics.median(shares[k]), statistics.median(secs[k])) for k in starts
-    }
+    r["compute"] = {k: (statistics.median(shares[k]), statistics.median(secs[k])) for k in starts}
     ck.close()
     shutil.rmtree(root, ignore_errors=True)
     return r
@@ -215,7 +213,8 @@ def table(r: dict[str, Any]) -> str:
         out.append(
             f"| {k} | {a['wall']:.3f} | "
             + " | ".join(
-                f"{a[f] / gib:.3f}" for f in ("worker user", "worker sys", "other user", "other sys")
+                f"{a[f] / gib:.3f}"
+                for f in ("worker user", "worker sys", "other user", "other sys")
             )
             + f" | {gil} |"
         )
