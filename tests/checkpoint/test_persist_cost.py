@@ -174,9 +174,7 @@ def test_inherited_io_threads_are_registered_and_raised() -> None:
     assert out["raised"] >= 2 and out["after"] == os.SCHED_OTHER and out["nice"] == 12
 
 
-def test_persist_sched_other_and_bad_value(
-    run_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_persist_sched_other_and_bad_value(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKRUN_PERSIST_SCHED", "other")
     seen = _watch_persist(monkeypatch, None)
     with ckrun.Checkpointer(storage=str(run_dir)) as ck:
