@@ -1,27 +1,25 @@
 """Where the background persist of ``async_save`` takes compute from training (issue 19).
 
-    python bench/persist_cpu.py [--sizes 0.25,1] [--repeats 3] [--compute-s 3] [--dir D]
+    python bench/persist_cpu.py [--sizes 0.25,1] [--repeats 5] [--compute-s 2] [--dir D]
 
-For each state size (bench/checkpoint.py's transformer-shaped state) after one warm-up
-``async_save`` (the host buffers allocated outside the figures):
+Per state size (bench/checkpoint.py's transformer-shaped state), two Checkpointers in one
+process, each warmed up by one ``async_save`` (host buffers allocated outside the
+figures): "this branch" (arena on transparent huge pages, each shard byte hashed once,
+persist threads at ``SCHED_IDLE``) and "as on main" (the same code switched back: a
+``MAP_POPULATE`` arena of 4 KiB pages, ``st_format.REHASH_BELOW`` so large that every
+entry is hashed twice, ``CKRUN_PERSIST_SCHED=other`` at nice 10).  The conditions are
+interleaved inside each repeat, so a shared machine's load drifts over both alike.
 
-    cpu    : one persist with the main thread blocked in ``handle.result()``: wall
-             seconds, CPU seconds of the persist worker thread and of every other
-             thread (the O_DIRECT I/O thread, which has exited by then: process total
-             minus the worker and the main thread), user and system apart
-             (``/proc/self/task/<tid>/stat`` fields 14-15 and ``os.times``); the
-             CRC32C of the arena alone (one pass, ``crc32c.crc32c``) and an
-             ``O_DIRECT`` write + fsync of the arena alone (no CRC), same accounting
-    gil    : a probe thread sleeping 1 ms in a loop during the persist: the sum of its
-             wake-up delays beyond 1 ms (with two cores and one runnable persist thread
-             this is time it waited for the GIL), and the largest single delay
-    compute: the 384x384 fp32 matmul loop of bench/checkpoint_async.py (2 torch
-             threads) alone and while each of these runs in the background: the ckrun
-             persist as configured, the ckrun persist with its worker at nice 10 instead
-             of SCHED_IDLE, the CRC32C pass alone, the ``O_DIRECT`` write alone; each
-             window bracketed by windows of the loop alone (share = during / their mean,
-             median of ``--repeats``), and "lost" = matmul-seconds the loop lost per
-             persist (1 - share) x persist seconds
+    cpu    : per persist (the main thread polling ``done()``): the worker thread's CPU
+             seconds (``time.thread_time``) split into CRC32C calls of >= 32 KiB (which
+             release the GIL) and the rest (Python and system calls with the GIL held),
+             the I/O thread's system seconds (``/proc/self/task/<tid>/stat`` read just
+             before the writer's commit), and the disk's completion interrupts
+             (``/proc/interrupts`` lines of virtio request queues, all CPUs)
+    compute: the 384x384 fp32 matmul loop of bench/checkpoint_async.py (2 torch threads)
+             alone and during each persist; each window bracketed by windows of the loop
+             alone (share = during / their mean, median of ``--repeats``); "lost" =
+             (1 - share) x persist seconds, the loop's seconds the persist cost
 
 Prints one markdown table per size.
 """
@@ -29,6 +27,7 @@ Prints one markdown table per size.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import statistics
@@ -42,89 +41,89 @@ import ckrun
 import crc32c
 from checkpoint import build_state, state_bytes
 from checkpoint_async import Matmul
+from ckrun.checkpoint import host_buffers, st_format
+from ckrun.storage import direct
 
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu(tid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of thread ``tid`` of this process."""
+def thread_sys(tid: int) -> float:
+    """System CPU seconds of thread ``tid`` of this process (stat(5) field 15)."""
     with open(f"/proc/self/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICK, int(fields[12]) / TICK  # fields 14, 15 of stat(5)
+        return int(f.read().rsplit(")", 1)[1].split()[12]) / TICK
 
 
-def proc_cpu() -> tuple[float, float]:
-    t = os.times()
-    return t.user, t.system
+def disk_irqs() -> int:
+    """Completion interrupts of virtio/nvme request queues so far, all CPUs."""
+    n = 0
+    with open("/proc/interrupts") as f:
+        for line in f:
+            if "-req" in line or "nvme" in line:
+                n += sum(int(x) for x in line.split()[1:] if x.isdigit())
+    return n
 
 
-class GilProbe:
-    """A thread sleeping ``period`` s in a loop; sums its wake-up delays beyond it."""
+class Probe:
+    """Worker CPU split and I/O-thread system time of the persists it watches."""
 
-    def __init__(self, period: float = 1e-3) -> None:
-        self.period, self.late, self.worst, self._stop = period, 0.0, 0.0, False
-        self.cpu = (0.0, 0.0)  # its own (user, system) CPU seconds, to subtract
-        self._t = threading.Thread(target=self._run, daemon=True)
+    def __init__(self) -> None:
+        self.crc = self.worker = self.io_sys = 0.0
+        self._real_crc = crc32c.crc32c
+        self._io_start: dict[int, float] = {}
+        probe = self
 
-    def _run(self) -> None:
-        tid = threading.get_native_id()
-        c0 = thread_cpu(tid)
-        while not self._stop:
-            t = time.perf_counter()
-            time.sleep(self.period)
-            d = time.perf_counter() - t - self.period
-            self.late += max(0.0, d)
-            self.worst = max(self.worst, d)
-        c1 = thread_cpu(tid)
-        self.cpu = (c1[0] - c0[0], c1[1] - c0[1])
+        class Counting:
+            @staticmethod
+            def crc32c(buf: Any, value: int = 0) -> int:
+                t = time.thread_time()
+                r: int = probe._real_crc(buf, value)
+                if memoryview(buf).nbytes >= 32 << 10:
+                    probe.crc += time.thread_time() - t
+                return r
 
-    def __enter__(self) -> GilProbe:
-        self._t.start()
-        return self
+        st_format.crc32c = Counting  # type: ignore[assignment]
+        persist = ckrun.checkpoint.pipeline.persist
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._t.join()
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return persist(*a, **k)
+            finally:
+                probe.worker += time.thread_time() - t
 
+        ckrun.checkpoint.pipeline.persist = timed
+        pwrite, commit = direct.ArenaWriter._pwrite, direct.ArenaWriter.commit
 
-def accounted(run: Callable[[], Any], worker_tid: int | None) -> dict[str, float]:
-    """Wall and CPU seconds of ``run()`` (called in the main thread, which only waits)."""
-    main = threading.get_native_id()
-    m0, p0 = thread_cpu(main), proc_cpu()
-    w0 = thread_cpu(worker_tid) if worker_tid else (0.0, 0.0)
-    t = time.perf_counter()
-    run()
-    wall = time.perf_counter() - t
-    m1, p1 = thread_cpu(main), proc_cpu()
-    w1 = thread_cpu(worker_tid) if worker_tid else (0.0, 0.0)
-    wu, ws = w1[0] - w0[0], w1[1] - w0[1]
-    ou = p1[0] - p0[0] - (m1[0] - m0[0]) - wu
-    os_ = p1[1] - p0[1] - (m1[1] - m0[1]) - ws
-    return {"wall": wall, "worker user": wu, "worker sys": ws, "other user": ou, "other sys": os_}
+        def io(w: direct.ArenaWriter, mv: memoryview, off: int) -> None:
+            self._io_start.setdefault(
+                threading.get_native_id(), thread_sys(threading.get_native_id())
+            )
+            pwrite(w, mv, off)
 
+        def io_commit(w: direct.ArenaWriter, **k: Any) -> Any:
+            for f in list(w._futs):
+                f.result()
+            for tid, s0 in self._io_start.items():
+                try:
+                    probe.io_sys += thread_sys(tid) - s0
+                except FileNotFoundError:  # an earlier writer's thread, gone
+                    pass
+            self._io_start.clear()
+            return commit(w, **k)
 
-def arena_of(ck: ckrun.Checkpointer) -> memoryview:
-    saver = ck._async
-    assert saver is not None and saver.buffers._mmap is not None
-    return memoryview(saver.buffers._mmap)
+        direct.ArenaWriter._pwrite = io  # type: ignore[method-assign]
+        direct.ArenaWriter.commit = io_commit  # type: ignore[method-assign]
 
-
-def odirect_arena(path: str, arena: memoryview, chunk: int = 32 << 20) -> None:
-    """The arena written with O_DIRECT in ``chunk`` requests, then fsync (no CRC)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        for off in range(0, len(arena), chunk):
-            os.pwrite(fd, arena[off : off + chunk], off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.unlink(path)
+    def take(self) -> tuple[float, float, float]:
+        out = (self.worker, self.crc, self.io_sys)
+        self.crc = self.worker = self.io_sys = 0.0
+        return out
 
 
-def background(fn: Callable[[], Any]) -> Callable[[], bool]:
-    t = threading.Thread(target=fn)
-    t.start()
-    return lambda: not t.is_alive()
+def small_page_arena(size: int) -> tuple[mmap.mmap, int, bool]:
+    """The arena as on main: ``MAP_POPULATE``, 4 KiB pages, no advice."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, size, flags=flags), 0, False
 
 
 def run(size_gib: float, root: str, reps: int, min_s: float) -> dict[str, Any]:
@@ -132,96 +131,83 @@ def run(size_gib: float, root: str, reps: int, min_s: float) -> dict[str, Any]:
     os.makedirs(root)
     state = build_state(size_gib)
     r: dict[str, Any] = {"size_gib": size_gib, "state_bytes": state_bytes(state)}
-    ck = ckrun.Checkpointer(storage=f"{root}/ck", rng=False, lock=False, keep_last=1)
     step = iter(range(1, 1 << 30))
-    ck.async_save(next(step), state).result()
-    saver = ck._async
-    assert saver is not None
-    pool = saver._pool
-    tid = pool.submit(threading.get_native_id).result()
-    arena = arena_of(ck)
+    rehash = st_format.REHASH_BELOW
+    new = ckrun.Checkpointer(storage=f"{root}/new", rng=False, lock=False, keep_last=1)
+    new.async_save(next(step), state).result()
+    os.environ["CKRUN_PERSIST_SCHED"] = "other"
+    old = ckrun.Checkpointer(storage=f"{root}/old", rng=False, lock=False, keep_last=1)
+    host_buffers.hugepage_arena = small_page_arena  # type: ignore[assignment]
+    st_format.REHASH_BELOW = 1 << 62  # type: ignore[misc]
+    old.async_save(next(step), state).result()
+    del os.environ["CKRUN_PERSIST_SCHED"]
+    assert old._async is not None and new._async is not None
+    assert not old._async.buffers.hugepages and new._async.policy == "idle"
 
-    def persist() -> None:
-        ck.async_save(next(step), state).result()
+    def start(ck: ckrun.Checkpointer, twice: bool, idle: bool) -> Callable[[], Callable[[], bool]]:
+        def go() -> Callable[[], bool]:
+            st_format.REHASH_BELOW = (1 << 62) if twice else rehash  # type: ignore[misc]
+            assert ck._async is not None
+            ck._async.idle = idle
+            return ck.async_save(next(step), state).done
 
-    cpu: dict[str, list[dict[str, float]]] = {}
-    for _ in range(reps):
-        with GilProbe() as probe:
-            a = accounted(persist, tid)
-        a["probe late"], a["probe worst"] = probe.late, probe.worst
-        a["other user"] -= probe.cpu[0]
-        a["other sys"] -= probe.cpu[1]
-        cpu.setdefault("ckrun persist", []).append(a)
-        with GilProbe() as probe:  # control: the probe's delays with nothing running
-            c = accounted(lambda w=a["wall"]: time.sleep(w), None)
-        c["probe late"], c["probe worst"] = probe.late, probe.worst
-        c["other user"] -= probe.cpu[0]
-        c["other sys"] -= probe.cpu[1]
-        cpu.setdefault("idle (control for the GIL probe)", []).append(c)
-        cpu.setdefault("CRC32C of the arena", []).append(
-            accounted(lambda: _join(lambda: crc32c.crc32c(arena)), None)
-        )
-        cpu.setdefault("O_DIRECT write of the arena + fsync", []).append(
-            accounted(lambda: _join(lambda: odirect_arena(f"{root}/od", arena)), None)
-        )
-    r["cpu"] = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in cpu.items()}
+        return go
 
-    starts: dict[str, Callable[[], Callable[[], bool]]] = {
-        "ckrun persist": lambda: ck.async_save(next(step), state).done,
-        "CRC32C pass alone": lambda: background(lambda: crc32c.crc32c(arena)),
-        "O_DIRECT write alone": lambda: background(lambda: odirect_arena(f"{root}/od", arena)),
+    starts = {
+        "this branch (huge pages, CRC once, SCHED_IDLE)": start(new, False, True),
+        "this branch at SCHED_OTHER nice 10": start(new, False, False),
+        "as on main (4 KiB pages, CRC twice, nice 10)": start(old, True, False),
     }
+    probe = Probe()
+    cpu: dict[str, list[tuple[float, ...]]] = {k: [] for k in starts}
+    for _ in range(reps):
+        for k, go in starts.items():
+            i0, t = disk_irqs(), time.perf_counter()
+            done = go()
+            while not done():
+                time.sleep(0.005)
+            wall = time.perf_counter() - t
+            cpu[k].append((wall, *probe.take(), disk_irqs() - i0))
+    r["cpu"] = {k: [statistics.median(x[i] for x in v) for i in range(5)] for k, v in cpu.items()}
     mm = Matmul()
     alone = [mm.rate(min_s)]
     shares: dict[str, list[float]] = {k: [] for k in starts}
     secs: dict[str, list[float]] = {k: [] for k in starts}
     for _ in range(reps):
-        for k, start in starts.items():
-            during, s = mm.rate_during(start, min_s)
+        for k, go in starts.items():
+            during, s = mm.rate_during(go, min_s)
             alone.append(mm.rate(min_s))
             shares[k].append(during / ((alone[-1] + alone[-2]) / 2))
             secs[k].append(s)
     r["alone"] = statistics.median(alone)
     r["compute"] = {k: (statistics.median(shares[k]), statistics.median(secs[k])) for k in starts}
-    ck.close()
+    r["load"] = os.getloadavg()[0]
+    st_format.REHASH_BELOW = rehash  # type: ignore[misc]
+    new.close()
+    old.close()
     shutil.rmtree(root, ignore_errors=True)
     return r
-
-
-def _join(fn: Callable[[], Any]) -> None:
-    t = threading.Thread(target=fn)
-    t.start()
-    t.join()
 
 
 def table(r: dict[str, Any]) -> str:
     gib = r["state_bytes"] / 2**30
     out = [
         f"#### {r['size_gib']:g} GiB ({r['state_bytes'] / 1e9:.2f} GB), load average "
-        f"{os.getloadavg()[0]:.1f}",
+        f"{r['load']:.1f}; CPU figures in ms per GiB",
         "",
-        "| persist alone (CPU s per GiB) | wall s | worker user | worker sys | "
-        "other user | other sys | GIL probe late ms (worst) |",
+        "| persist alone | wall s | worker CPU | of it CRC32C | rest (GIL held) | "
+        "I/O thread sys | disk interrupts |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for k, a in r["cpu"].items():
-        gil = (
-            f"{1e3 * a['probe late']:.1f} ({1e3 * a['probe worst']:.1f})"
-            if "probe late" in a
-            else "—"
-        )
+    for k, (wall, worker, crc, io, irq) in r["cpu"].items():
         out.append(
-            f"| {k} | {a['wall']:.3f} | "
-            + " | ".join(
-                f"{a[f] / gib:.3f}"
-                for f in ("worker user", "worker sys", "other user", "other sys")
-            )
-            + f" | {gil} |"
+            f"| {k} | {wall:.2f} | {1e3 * worker / gib:.0f} | {1e3 * crc / gib:.0f} | "
+            f"{1e3 * (worker - crc) / gib:.0f} | {1e3 * io / gib:.0f} | {irq / gib:.0f} |"
         )
     out += [
         "",
-        f"| compute loop during (alone {r['alone']:.0f} matmul/s) | share | background s | "
-        "loop time lost s |",
+        f"| compute loop during (alone {r['alone']:.0f} matmul/s) | share | persist s | "
+        "loop s lost |",
         "|---|---:|---:|---:|",
     ]
     for k, (share, s) in r["compute"].items():
@@ -232,8 +218,8 @@ def table(r: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="0.25,1", help="comma-separated GiB [0.25,1]")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compute-s", type=float, default=3.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--compute-s", type=float, default=2.0)
     ap.add_argument("--dir", default="/tmp/ckrun-persist-cpu")
     a = ap.parse_args()
     for size in (float(x) for x in a.sizes.split(",")):
