@@ -8,6 +8,8 @@ checks the checkpoint itself instead of taking the child's word.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ckrun import control
 from ckrun.errors import CkrunError
 from ckrun.runlog import EventLog
@@ -25,7 +27,7 @@ def attempt_end(
     rundir: RunDir,
     events: EventLog,
     now: float,
-    at: float,
+    monotonic: Callable[[], float],
 ) -> ChildExited:
     """The :class:`ChildExited` of ``child`` (reaped, its session empty), after the
     ``attempt_end`` event is logged.
@@ -37,7 +39,7 @@ def attempt_end(
         rundir: the run's state directory (the exit-reason record in its control dir).
         events: the run log (its ``attempt`` is the attempt that ended).
         now: monotonic seconds when the end was seen (the attempt's length).
-        at: monotonic seconds after the storage reads (the event's time).
+        monotonic: the clock; the event's time is read after the storage reads.
     """
     from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
 
@@ -54,7 +56,7 @@ def attempt_end(
         status,
         step,
         is_complete(storage),
-        at,
+        monotonic(),
         save_s,
         reason=str(why["reason"]) if why.get("reason") else None,
         detail=str(why.get("message") or ""),

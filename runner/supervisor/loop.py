@@ -279,7 +279,7 @@ class Supervisor:
         if self.watched is not None:
             own_checkpoint.commit_after_exit(self.watched, c.status, self.state.notice_at, self.say)
         end = attempt.attempt_end(
-            c, c.status, self.storage, self.rundir, self.events, now, self.clock.monotonic()
+            c, c.status, self.storage, self.rundir, self.events, now, self.clock.monotonic
         )
         self._queue.append(end)
 
