@@ -5,7 +5,7 @@ is allocated once and reused while the state's layout fits.  Each tensor sits at
 offset it has in the shard's data region (:func:`ckrun.checkpoint.st_format.table`:
 packed by decreasing element size), so the arena *is* the data region of the file.  The arena is
 anonymous memory on transparent huge pages (:func:`ckrun.storage.hugepages.hugepage_arena`:
-4 MiB ``O_DIRECT`` requests instead of 1 MiB ones, over 10x less system CPU and ~50x fewer
+4 MiB ``O_DIRECT`` requests instead of 1 MiB ones, 6-10x less system CPU and ~30x fewer
 disk interrupts per GiB here), or pinned memory (``cudaHostAlloc``, page aligned) when a
 tensor lives on a GPU.
 

@@ -5,9 +5,9 @@ segment per physically contiguous run.  From 4 KiB pages the virtio disk here
 (``max_segments`` 254, ``max_sectors_kb`` 4096) gets requests of at most ~1 MiB; from
 2 MiB huge pages, requests of 4 MiB.  Measured on this 2-vCPU VM (kernel 6.18, 1 GiB
 written in 32 MiB ``pwrite`` requests, bench/README.md "compute kept during the
-persist"): 4 KiB pages 0.13-0.15 s of system CPU per GiB and ≈ 2050 completion
-interrupts, huge pages ≈ 0.01 s and 36 interrupts, and the write itself 0.31-0.36 s
-instead of 0.56-1.0 s.  Interrupt time is charged to whatever thread a CPU was running
+persist"; populated memory, ``RUSAGE_THREAD``): 4 KiB pages 45-58 ms of system CPU per
+GiB and ≈ 1220 completion interrupts, huge pages 4-8 ms and ≈ 40 interrupts, and the
+writes took 0.35-0.47 s instead of 0.56-0.65 s.  Interrupt time is charged to whatever thread a CPU was running
 (the training loop), so this is compute the persist no longer takes from training.
 
 The region is advised with ``madvise(MADV_HUGEPAGE)`` (transparent huge pages in their
