@@ -7,8 +7,9 @@ segment per physically contiguous run.  From 4 KiB pages the virtio disk here
 written in 32 MiB ``pwrite`` requests, bench/README.md "compute kept during the
 persist"; populated memory, ``RUSAGE_THREAD``): 4 KiB pages 45-58 ms of system CPU per
 GiB and ≈ 1220 completion interrupts, huge pages 4-8 ms and ≈ 40 interrupts, and the
-writes took 0.35-0.47 s instead of 0.56-0.65 s.  Interrupt time is charged to whatever thread a CPU was running
-(the training loop), so this is compute the persist no longer takes from training.
+writes took 0.35-0.47 s instead of 0.56-0.65 s.  Interrupt time is charged to whatever
+thread a CPU was running (the training loop), so this is compute the persist no longer
+takes from training.
 
 The region is advised with ``madvise(MADV_HUGEPAGE)`` (transparent huge pages in their
 ``madvise`` mode, the common default) before it is faulted in, then populated with

@@ -86,6 +86,11 @@ def lower(nice: int = PERSIST_NICE, *, idle: bool = True) -> str:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except OSError as e:
             log.debug("SCHED_IDLE refused for the persist thread (%s): nice %d only", e, nice)
+    elif not idle and _policy(tid) == getattr(os, "SCHED_IDLE", None):
+        try:  # left over from an earlier persist nobody waited for
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except OSError as e:
+            log.debug("could not leave SCHED_IDLE (%s)", e)
     nr = _IOPRIO_SYSCALL.get(platform.machine())
     if nr is not None:
         try:  # ioprio_set(IOPRIO_WHO_PROCESS, tid, IOPRIO_PRIO_VALUE(IOPRIO_CLASS_BE, 7))

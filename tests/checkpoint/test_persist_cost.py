@@ -166,9 +166,13 @@ def test_inherited_io_threads_are_registered_and_raised() -> None:
             out["after"] = io.submit(os.sched_getscheduler, 0).result()
             out["nice"] = io.submit(os.getpriority, os.PRIO_PROCESS, 0).result()
 
+        out["again"] = priority.lower(12)
+        out["other"] = priority.lower(12, idle=False)  # an idle thread is moved back
+
     t = threading.Thread(target=worker)
     t.start()
     t.join(30)
+    assert out["again"] == "idle" and out["other"] == "other nice 12"
     assert out["policy"] == "idle" and out["io policy"] == os.SCHED_IDLE
     assert {out["tid"], out["io"]} <= out["registered"]
     assert out["raised"] >= 2 and out["after"] == os.SCHED_OTHER and out["nice"] == 12
