@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
+import dataclasses
 import logging
 import os
 import platform
@@ -53,6 +54,7 @@ from typing import Any
 
 from ckrun.checkpoint import pipeline
 from ckrun.checkpoint.host_buffers import HostBuffers
+from ckrun.checkpoint.lazy_snapshot import LazySnapshot
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
 from ckrun.checkpoint.sharding import Planned
@@ -139,6 +141,7 @@ class AsyncSaver:
             1, thread_name_prefix="ckrun-persist", initializer=lower_priority, initargs=(nice,)
         )
         self._inflight: AsyncSaveHandle | None = None
+        self._lazy: LazySnapshot | None = None  # the lazy copy of the save in flight
         self._lock = threading.Lock()
         self.last_stall_s: float | None = None
         self.last_durable_s: float | None = None  # async_save call -> commit
@@ -149,9 +152,17 @@ class AsyncSaver:
     # -- the save -------------------------------------------------------------------
 
     def save(
-        self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None,
+        *,
+        lazy: bool = False,
     ) -> SaveHandle:
         """Snapshot now, persist in the background; see ``Checkpointer.async_save``.
+
+        ``lazy``: copy parameters and optimizer state during the next step instead
+        (:mod:`ckrun.checkpoint.lazy_snapshot`); eager anyway while a notice is pending.
 
         Returns:
             An :class:`AsyncSaveHandle`, or a completed handle when this process already
@@ -170,10 +181,19 @@ class AsyncSaver:
             if last is not None:
                 return SaveHandle.completed(last)
             compat = self._compat_block(state)
-            snap = self.buffers.stage(pipeline.snapshot(ctx, state))
+            lz = None
+            if lazy and _no_notice():  # an emergency save stays eager
+                planned = pipeline.snapshot(ctx, state)
+                dests = self.buffers.destinations(planned)
+                lz = self._lazy = LazySnapshot(step, planned, dests, state)
+                snap = dataclasses.replace(planned, tensors=dests)
+            else:
+                snap = self.buffers.stage(pipeline.snapshot(ctx, state))
             meta = copy.deepcopy(dict(metrics or {}))
             stall = time.monotonic() - started
-            fut = self._pool.submit(self._persist, step, snap, kind, compat, meta, created, started)
+            fut = self._pool.submit(
+                self._persist, step, snap, kind, compat, meta, created, started, lz
+            )
             h = AsyncSaveHandle(fut, step, stall, snap.nbytes, started)
             self._inflight, self.last_stall_s = h, stall
         return h
@@ -187,8 +207,13 @@ class AsyncSaver:
         metrics: dict[str, Any],
         created: str,
         started: float,
+        lz: LazySnapshot | None = None,
     ) -> Manifest:
         t0 = time.monotonic()
+        open_shard = self.buffers.writer_for(self._ctx.storage)
+        if lz is not None:  # copy what the next step has not taken yet, then check
+            lz.copy_all()
+            open_shard = lz.verified(open_shard or self._ctx.storage.open_write)
         m = pipeline.persist(
             self._ctx,
             step,
@@ -198,7 +223,7 @@ class AsyncSaver:
             metrics=metrics,
             created_utc=created,
             started=started,
-            open_shard=self.buffers.writer_for(self._ctx.storage),
+            open_shard=open_shard,
         )
         self.last_persist_s = time.monotonic() - t0
         self.last_durable_s = time.monotonic() - started
@@ -218,6 +243,9 @@ class AsyncSaver:
             return None
         self._inflight = None
         err = h._future.exception()  # waits
+        if self._lazy is not None:  # the copies are done: no hook is needed any more
+            self._lazy.close()
+            self._lazy = None
         if err is None:
             return h._future.result()
         if h.observed:
@@ -311,6 +339,13 @@ class AsyncSaver:
             self.drain()
         finally:
             self._pool.shutdown(wait=True)
+
+
+def _no_notice() -> bool:
+    """No preemption notice is pending (a save under a notice stays eager)."""
+    from ckrun.control import read_notice
+
+    return read_notice() is None
 
 
 def _at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
