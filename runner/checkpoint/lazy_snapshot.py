@@ -230,7 +230,7 @@ class LazySnapshot:
         finally:
             with self._cond:
                 e.state = DONE
-                self._check(e, "while it was being copied")
+                self._check(e, "before or while it was copied")
                 self._cond.notify_all()
 
     def _check(self, e: _Entry, when: str) -> None:
@@ -274,10 +274,13 @@ class LazySnapshot:
 
     def raise_failures(self) -> None:
         """Raise the recorded failures, if any, as one CheckpointError."""
-        if self.stats.failures:
+        f = self.stats.failures
+        if f:
+            more = f"; and {len(f) - 3} more tensors" if len(f) > 3 else ""
             raise CheckpointError(
                 f"lazy snapshot of step {self.step}: "
-                + "; ".join(self.stats.failures)
+                + "; ".join(f[:3])
+                + more
                 + ". Its copy may mix two steps, so this save is not committed (the "
                 "previous checkpoint stays). Write parameters and optimizer state only "
                 "inside optimizer.step() of an optimizer in the saved state, or save "
