@@ -1,0 +1,125 @@
+"""Lazy-snapshot rows of the side-by-side table (issue 19, ``bench/checkpoint_async.py``).
+
+pause    : ``ckrun async_save(..., lazy=True)`` returns after the RNG, the tree and the
+           eager tensors (LayerNorm has no buffers here: none) are captured; measured in
+           the same repeat as the memcpy of the whole state into the async save's reused
+           buffers (:func:`pause_pair`, called by ``checkpoint_async.saves``).  Target:
+           lazy pause ≤ 0.2 × that memcpy.
+step     : one real training step of the benchmark's own state (forward of a batch
+           through the model, backward, AdamW ``step``), timed alone and right after an
+           ``async_save``: lazy (the copier copies parameters and AdamW moments during
+           forward/backward; whatever is left is copied by the step pre-hook inside the
+           step, so it counts) and eager (the pause is not in the step; the persist runs
+           meanwhile).  Each overlapped step is bracketed by steps alone and compared to
+           their mean.  Target: lazy step ≤ 1.1 × alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import ckrun
+import torch
+
+BATCH = 48  # rows of the step's input batch (d_model wide)
+
+
+def pause_pair(ck: ckrun.Checkpointer, state: dict[str, Any], step: int) -> tuple[float, float]:
+    """(pause, time to durable) of one lazy ``async_save`` with no step in between."""
+    t = time.perf_counter()
+    h = ck.async_save(step, state, lazy=True)
+    pause = time.perf_counter() - t
+    h.result()
+    return pause, time.perf_counter() - t
+
+
+def _train_step(state: dict[str, Any], x: torch.Tensor) -> float:
+    """Seconds of one forward/backward/AdamW step of the benchmark state."""
+    model, opt = state["model"], state["optimizer"]
+    t = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    return time.perf_counter() - t
+
+
+def steps(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> None:
+    """Step time alone and right after a lazy / an eager ``async_save`` (module doc)."""
+    d_model = next(state["model"].parameters()).shape[-1]
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, d_model)
+    ck = ckrun.Checkpointer(storage=f"{root}/lz", rng=False, lock=False, keep_last=1)
+    n = iter(range(1, 1 << 30))
+    ck.async_save(next(n), state).result()  # buffers allocated outside the windows
+    for _ in range(2):
+        _train_step(state, x)  # warm-up (autograd, allocator)
+    s: dict[str, list[float]] = {}
+    for _ in range(reps):
+        for mode in ("lazy", "eager"):
+            before = _train_step(state, x)
+            t = time.perf_counter()
+            h = ck.async_save(next(n), state, lazy=mode == "lazy")
+            pause = time.perf_counter() - t
+            during = _train_step(state, x)
+            h.result()
+            after = _train_step(state, x)
+            alone = (before + after) / 2
+            s.setdefault("train step alone", []).append(alone)
+            s.setdefault(f"train step after {mode} async_save", []).append(during)
+            s.setdefault(f"{mode} pause (step rows)", []).append(pause)
+            s.setdefault(f"{mode} step share", []).append(during / alone)
+    ck.close()
+    r.update({k: statistics.median(v) for k, v in s.items()})
+    r["step samples"] = s
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The lazy rows: seconds per size, then the two target ratios."""
+    from checkpoint_async import _mark, _paired
+
+    sizes = [f"{r['size_gib']:g} GiB" for r in rows]
+    out = [
+        "",
+        "| lazy snapshot (issue 19) | " + " | ".join(sizes) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    for k in (
+        "memcpy into reused buffers",
+        "ckrun async_save: pause",
+        "ckrun async_save (lazy): pause",
+        "ckrun async_save (lazy): time to durable",
+        "train step alone",
+        "train step after lazy async_save",
+        "train step after eager async_save",
+    ):
+        out.append(f"| {k} | " + " | ".join(f"{r[k]:.4f} s" for r in rows) + " |")
+    ratios = (
+        (
+            "lazy pause / memcpy into reused buffers (≤ 0.2)",
+            lambda r: _paired(r, "ckrun async_save (lazy): pause", "memcpy into reused buffers"),
+            0.2,
+        ),
+        (
+            "eager pause / memcpy into reused buffers",
+            lambda r: _paired(r, "ckrun async_save: pause", "memcpy into reused buffers"),
+            None,
+        ),
+        (
+            "step after lazy async_save / step alone (≤ 1.1)",
+            lambda r: statistics.median(r["step samples"]["lazy step share"]),
+            1.1,
+        ),
+        (
+            "step after eager async_save / step alone",
+            lambda r: statistics.median(r["step samples"]["eager step share"]),
+            None,
+        ),
+    )
+    for name, fn, limit in ratios:
+        cells = [
+            f"{fn(r):.2f}" + ("" if limit is None else f" {_mark(fn(r) <= limit)}") for r in rows
+        ]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
