@@ -12,6 +12,11 @@ the buffers).  A checkpoint exists only once its manifest is written, so ``lates
 discovery and retention see an async save only after its background commit is durable;
 a process killed during the persist leaves the previous checkpoint.
 
+With ``lazy=True`` the call does not copy parameters and optimizer state: the worker
+thread copies them first, while the next step's forward and backward run, and a step
+pre-hook on each optimizer of the state copies what is left before ``step()`` writes
+(:mod:`ckrun.checkpoint.lazy_snapshot`; opt-in, eager under a notice).
+
 Errors of the worker surface on ``handle.result()``, else on the next save, ``wait()`` or
 ``close()`` (each failure is raised once).  At interpreter exit the in-flight save is
 finished before ``concurrent.futures`` shuts down (see :func:`_at_exit`); an unobserved

@@ -318,7 +318,11 @@ class LazySnapshot:
         yielded, when last, ends that iteration without a mutation error)."""
         h = self._handles[o]
         hooks = self._optimizers[o]._optimizer_step_pre_hooks
-        if h is not None and (self._hooked[o] or self._closed) and next(reversed(hooks)) == h.id:
+        if (
+            h is not None
+            and (self._hooked[o] or self._closed)
+            and next(reversed(hooks), None) == h.id
+        ):
             h.remove()
             self._handles[o] = None
             self.stats.hooks_removed += 1
