@@ -165,6 +165,9 @@ class LazySnapshot:
         self._side: dict[torch.device, Any] = {}
         self.entries: list[_Entry] = []
         self._by_opt: list[list[_Entry]] = [[] for _ in self._optimizers]
+        for t in snap.tensors:  # copy streams wait for the compute streams' work up to now
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                self._side_stream(t.device)
         eager: list[tuple[Any, Any]] = []
         for i, (name, t, d) in enumerate(zip(snap.names, snap.tensors, dests, strict=True)):
             key = _storage_key(t) if isinstance(t, torch.Tensor) else None
@@ -197,8 +200,8 @@ class LazySnapshot:
     # -- copying --------------------------------------------------------------------
 
     def _side_stream(self, device: torch.device) -> Any:
-        """The copy stream of ``device``, created (waiting for the compute stream's work
-        up to now: the values of the saved step) on first use."""
+        """The copy stream of ``device``, created at the call in the caller's thread
+        (waiting for its current stream's work up to now: the values of the saved step)."""
         side = self._side.get(device)
         if side is None:
             side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
@@ -250,9 +253,6 @@ class LazySnapshot:
     def copy_all(self) -> None:
         """The copier (the persist thread): copy every entry no hook has taken, in order,
         then wait until every entry is copied."""
-        if self.entries:
-            for dev in {e.src.device for e in self.entries if e.src.device.type == "cuda"}:
-                self._side_stream(dev)
         for e in self.entries:
             if self._claim([e]):
                 self._copy(e)

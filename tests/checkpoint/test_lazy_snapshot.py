@@ -274,3 +274,29 @@ def test_lazy_snapshot_is_the_checkpointers_default_when_asked(tmp_path: Path) -
         ck.async_save(2, state, lazy=False)  # per call: eager
         assert ck._async is not None and ck._async._lazy is None
     assert isinstance(aio.AsyncSaver, type) and os.path.isdir(tmp_path / "run")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lazy_save_of_cuda_tensors_is_bitwise_a_sync_save(
+    tmp_path: Path, held_copier: threading.Event
+) -> None:
+    """The CUDA path (side stream, events, pinned buffers): skipped without a GPU."""
+    state = make()
+    state["model"].cuda()
+    state["optimizer"] = torch.optim.AdamW(state["model"].parameters(), lr=1e-2)
+
+    def cuda_train(steps: int) -> None:
+        for _ in range(steps):
+            x = torch.randn(32, 8, device="cuda")
+            state["optimizer"].zero_grad()
+            state["model"](x).pow(2).mean().backward()
+            state["optimizer"].step()
+
+    cuda_train(K)
+    expected = sync_reference(tmp_path, state)
+    with lazy_saver(tmp_path) as ck:
+        h = ck.async_save(K, state, lazy=True)
+        cuda_train(2)
+        held_copier.set()
+        h.result()
+    assert shard_bytes(tmp_path / "run", K) == expected
