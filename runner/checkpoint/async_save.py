@@ -147,6 +147,7 @@ class AsyncSaver:
         )
         self._inflight: AsyncSaveHandle | None = None
         self._lazy: LazySnapshot | None = None  # the lazy copy of the save in flight
+        self._copier: ThreadPoolExecutor | None = None  # its thread (first lazy save)
         self._lock = threading.Lock()
         self.last_stall_s: float | None = None
         self.last_durable_s: float | None = None  # async_save call -> commit
@@ -192,6 +193,9 @@ class AsyncSaver:
                 dests = self.buffers.destinations(planned)
                 lz = self._lazy = LazySnapshot(step, planned, dests, state)
                 snap = dataclasses.replace(planned, tensors=dests)
+                if self._copier is None:
+                    self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckrun-copier")
+                self._copier.submit(lz.copy_all)
             else:
                 snap = self.buffers.stage(pipeline.snapshot(ctx, state))
             meta = copy.deepcopy(dict(metrics or {}))
@@ -216,8 +220,8 @@ class AsyncSaver:
     ) -> Manifest:
         t0 = time.monotonic()
         open_shard = self.buffers.writer_for(self._ctx.storage)
-        if lz is not None:  # copy what the next step has not taken yet, then check
-            lz.copy_all()
+        if lz is not None:  # every tensor copied (by the copier or a step's hook), checked
+            lz.wait()
             open_shard = lz.verified(open_shard or self._ctx.storage.open_write)
         m = pipeline.persist(
             self._ctx,
@@ -344,6 +348,8 @@ class AsyncSaver:
             self.drain()
         finally:
             self._pool.shutdown(wait=True)
+            if self._copier is not None:
+                self._copier.shutdown(wait=True)
 
 
 def _no_notice() -> bool:

@@ -17,8 +17,10 @@ host buffers (:class:`ckrun.checkpoint.host_buffers.HostBuffers`).  With
   registering a step pre-hook (``torch.optim.Optimizer.register_step_pre_hook``) on
   each optimizer found in the state.
 
-Parameters and optimizer state are then copied into the same host buffers by the
-background persist thread (the *copier*), while the training loop runs the next forward
+Parameters and optimizer state are then copied into the same host buffers by a
+background thread (the *copier*, kept by the saver, at the training's CPU priority: the
+persist thread runs at nice 10, and measured under load a copier at nice 10 left half of
+the bytes to the step's pre-hook, at nice 0 none), while the training loop runs the next forward
 and backward pass, in which they are read only.  Before an optimizer's ``step()`` first
 writes, its pre-hook copies in the calling thread every one of its tensors the copier has
 not taken yet, and waits for those the copier is copying, so no step changes a tensor
@@ -117,6 +119,7 @@ class _Entry:
     owners: tuple[int, ...]
     state: int = PENDING
     event: Any = None  # torch.cuda.Event of the copy (CUDA only)
+    by_hook: bool = False  # copied by an optimizer's pre-hook (in the training thread)
 
 
 @dataclass
@@ -141,7 +144,7 @@ class LazySnapshot:
         state: the user's state, searched for optimizers.
 
     The constructor copies the eager tensors and registers the hooks (in the caller's
-    thread); :meth:`copy_all` runs the copier (the persist thread); :meth:`wait`
+    thread); :meth:`copy_all` runs the copier (its own thread); :meth:`wait`
     returns once every tensor is copied; :meth:`verified` wraps the shard writer so its
     commit first re-checks the version counters; :meth:`close` removes the remaining
     hooks (the training thread, outside ``step``).
@@ -251,13 +254,19 @@ class LazySnapshot:
             log.error("lazy snapshot of step %d: %s; the save will fail", self.step, msg)
 
     def copy_all(self) -> None:
-        """The copier (the persist thread): copy every entry no hook has taken, in order,
-        then wait until every entry is copied."""
-        for e in self.entries:
-            if self._claim([e]):
-                self._copy(e)
-                self.stats.by_copier += 1
-        self.wait()
+        """The copier (its own thread, at the training's priority): copy every entry no
+        hook has taken, in order; never raises (failures are recorded for :meth:`wait`)."""
+        try:
+            for e in self.entries:
+                if self._claim([e]):
+                    self._copy(e)
+                    self.stats.by_copier += 1
+        except BaseException as exc:  # leave no entry pending: the persist would hang
+            for e in self._claim(self.entries):
+                self._fail(f"{e.name}: the copier stopped: {exc}")
+                with self._cond:
+                    e.state = DONE
+                    self._cond.notify_all()
 
     def wait(self) -> None:
         """Block until every entry is copied (device copies included).
@@ -301,6 +310,7 @@ class LazySnapshot:
         """Before optimizer ``o`` writes: its entries copied, unchanged since the call."""
         entries = self._by_opt[o]
         for e in self._claim(entries):
+            e.by_hook = True
             self._copy(e)
             self.stats.by_hook += 1
         with self._cond:
