@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import ckrun
 import pytest
-from ckrun.checkpoint import retention
+import torch
+from ckrun.checkpoint import layout, retention
+from ckrun.storage.local import LocalStorage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,3 +59,21 @@ def test_final_is_never_deleted(steps: list[int]) -> None:
 def test_keep_last_must_be_positive() -> None:
     with pytest.raises(ValueError):
         retention.select({1: "recovery"}, keep_last=0)
+
+
+def test_orphans_of_a_newer_attempt_are_left_alone(tmp_path: Path) -> None:
+    """Retention collects shards no manifest names, but never those of a newer attempt
+    than its own: a stale owner must not delete the shard a new owner is writing under
+    its final key before its manifest (issue 19); a dead, older attempt's are collected."""
+    st = LocalStorage(str(tmp_path))
+    newer, older = layout.shard_key(1, 0, 3), layout.shard_key(1, 0, 1)
+    st.put(newer, b"in flight")
+    st.put(older, b"left by a killed save")
+    ck = ckrun.Checkpointer(storage=st, attempt=2, rng=False, lock=False, keep_last=1)
+    ck.save(1, {"w": torch.zeros(4)})
+    ck.save(2, {"w": torch.ones(4)})
+    ck.close()  # joins the retention pass
+    assert st.head(newer) is not None
+    assert st.head(older) is None
+    left = {o.key for o in st.list(layout.CHECKPOINTS)}
+    assert left == {newer, layout.manifest_key(2), *(s.key for s in ck.latest().shards)}, left
