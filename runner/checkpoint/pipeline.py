@@ -358,7 +358,9 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
             milestone_every=ctx.milestone_every,
             protect=protect,
             broken_steps=broken,
-            attempt=ctx.attempt,
+            # a stale owner never collects a newer attempt's in-flight shard; unfenced
+            # runs (no supervisor) have no stale owners and no monotonic attempts
+            attempt=ctx.attempt if ctx.lease_epoch is not None else None,
         )
         retention.apply(ctx.storage, plan)
         ctx.verified -= set(plan.manifests)

@@ -6,9 +6,10 @@ recovery checkpoints, every milestone (``kind == "milestone"`` or a step divisib
 attempt resumed from, the one just committed).  A deleted checkpoint loses its manifest
 first, so it disappears atomically; its shards go next.  Shards no valid manifest names
 (leftovers of killed saves and dead attempts) are collected up to the newest committed
-step, except those of a newer attempt than the one retaining (a stale owner, between its
-fence check and its deletes, must not collect the shard a new owner is writing: on local
-storage that shard is written under its final key before its manifest, issue 19).
+step, except, in a fenced run (a lease: attempts numbered by the supervisor), those of a
+newer attempt than the one retaining (a stale owner, between its fence check and its
+deletes, must not collect the shard a new owner is writing: on local storage that shard
+is written under its final key before its manifest, issue 19).
 Only keys :func:`ckrun.checkpoint.layout.parse` recognises are ever deleted.
 """
 
