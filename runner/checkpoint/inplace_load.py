@@ -348,6 +348,7 @@ class Transaction:
         # the collective checks of restored()/exhausted() run
         self.fell_back = False
         self.started_unusable = bool(ctx.unusable)
+        self.healed = 0  # dirty tensors the restored checkpoint rewrote
 
     def attempt(self) -> MutableMapping[int, tuple[str, torch.Tensor]]:
         """Start reading one checkpoint; returns the record :func:`read_globals` fills."""
@@ -378,6 +379,7 @@ class Transaction:
         Raises:
             StateUnusable: a tensor written by a failed attempt is still in use.
         """
+        self.healed = sum(1 for p in self.written if p in self.ctx.dirty)
         for ptr in self.written:
             self.ctx.dirty.pop(ptr, None)
         self.written = {}
@@ -396,14 +398,16 @@ class Transaction:
         )
         ok, whys = self.ctx.group.all_ok(not left, why)  # symmetric: every rank failed
         if ok:
+            if self.healed:
+                log.warning(
+                    "checkpoint step %s failed verification after %d tensors were read "
+                    "in place; checkpoint step %d was restored over every one of them",
+                    self.failed_step,
+                    self.healed,
+                    step,
+                )
             self.ctx.dirty.clear()
             self.ctx.unusable = None
-            log.warning(
-                "checkpoint step %s failed verification after part of it was read in "
-                "place; checkpoint step %d was restored over every tensor it wrote",
-                self.failed_step,
-                step,
-            )
             return
         self._unusable("; ".join(whys))
 
