@@ -210,3 +210,22 @@ def test_shape_change_is_refused_before_anything_is_written(run_dir: Path) -> No
     with _ck(run_dir) as ck, pytest.raises(IncompatibleCheckpoint):
         ck.load(fresh)
     assert _equal(_values(fresh), before)
+
+
+def test_many_pieces_per_tensor_land_in_place(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pieces of 3 rows: each tensor is many ranged reads, several in flight, each into
+    its own rows of the destination."""
+    monkeypatch.setenv("CKRUN_PIECE_BYTES", str(3 * 64 * 4))
+    saved = _state(1)
+    with _ck(run_dir) as ck:
+        m = ck.save(1, saved)
+    assert m.tensor_layout is not None
+    assert len(m.tensor_layout["tensors"]["user.model.0.weight"]["pieces"]) == 22
+    fresh = _state(2)
+    before = _pointers(fresh)
+    with _ck(run_dir) as ck:
+        assert ck.load(fresh) is not None
+    assert _equal(_values(fresh), _values(saved))
+    assert _pointers(fresh) == before
