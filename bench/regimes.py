@@ -13,7 +13,9 @@ taken seconds apart on the same shared machine):
             (CKRUN_WRITER=direct, direct:4, writebehind) and as chosen by the probe
     loads : page cache dropped before each: sequential read of the ckrun shard into a
             reused 64 MiB buffer (the cold read), torch.load(weights_only) into the
-            model and optimizer, safetensors load_file, ckrun load (verified)
+            model and optimizer, safetensors load_file, ckrun load (verified; format-2
+            tensors read straight into the live model and optimizer tensors,
+            ckrun.checkpoint.inplace_load)
     small : 1 MB and 40 MB states saved ``SMALL_SAVES`` times with ``GAP_S`` of compute
             between saves (retention keep_last=3 deleting): median seconds of the save
             call, torch.save + fsync and ckrun save

@@ -35,7 +35,7 @@ from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.state import capture
-from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StorageError
+from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StateUnusable, StorageError
 from ckrun.storage.base import ObjectWriter, PublishesAfter, Storage
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,11 @@ class CommitContext:
         signature: the model signature of the state last seen
             (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
             compared by the next load.
+        dirty: ``data_ptr → (name, tensor)`` of live tensors a failed in-place load
+            wrote and no verified load has rewritten since
+            (:mod:`ckrun.checkpoint.inplace_load`).
+        unusable: why the state is unusable (a dirty tensor is still in use), or None;
+            every save refuses while it is set (:func:`begin`).
     """
 
     storage: Storage
@@ -114,6 +119,8 @@ class CommitContext:
     retainer: ThreadPoolExecutor | None = None
     signature: dict[str, Any] | None = None
     fence: Fence | None = None
+    dirty: dict[int, tuple[str, Any]] = field(default_factory=dict)
+    unusable: str | None = None
 
     def check_fence(self, what: str) -> None:
         """Raise ``LeaseLost`` when fenced and the lease epoch is no longer current."""
@@ -162,8 +169,14 @@ def acquire(ctx: CommitContext) -> None:
 
 
 def begin(ctx: CommitContext) -> None:
-    """Before any save: the last save's retention has finished, the run is not
-    complete, and this process holds the lock."""
+    """Before any save: the state is not half-loaded, the last save's retention has
+    finished, the run is not complete, and this process holds the lock.
+
+    Raises:
+        StateUnusable: a failed in-place load left the state half-written.
+    """
+    if ctx.unusable:
+        raise StateUnusable(ctx.unusable)
     wait_retention(ctx)
     check_not_complete(ctx)
     acquire(ctx)
