@@ -134,8 +134,7 @@ def locate(name: str, storage: str | None) -> RunDir:
         ConfigError: ``name`` is not a valid run name.
         UsageError: no run of that name exists there.
     """
-    check_run_name(name)
-    cfg = _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
+    cfg = located_config(name, storage)
     rd = RunDir(cfg.state_root)
     if not rd.exists():
         raise UsageError(
@@ -144,6 +143,17 @@ def locate(name: str, storage: str | None) -> RunDir:
             " lists the runs there"
         )
     return rd
+
+
+def located_config(name: str, storage: str | None) -> RunConfig:
+    """The configuration a command that takes a run resolves for ``name`` under
+    ``storage`` (the local profile, paths made absolute), before reading ``run.json``.
+
+    Raises:
+        ConfigError: ``name`` is not a valid run name.
+    """
+    check_run_name(name)
+    return _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
 
 
 def run_storage(rd: RunDir) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 from ckrun.notices import iso_utc, utcnow
 from ckrun.report import goodput
 from ckrun.report.history import History, parse
+from ckrun.report.lease_view import lease_view
+from ckrun.report.stored import StoredRunDir, merge_events, run_storage, stored_events
 from ckrun.runlog import read_events
 from ckrun.supervisor.rundir import RunDir, read_json
 
@@ -121,9 +123,14 @@ def _r(x: float) -> float:
 
 def summarize(rd: RunDir, now: dt.datetime | None = None) -> dict[str, Any]:
     """The run's state and accounting (see :mod:`ckrun.report.goodput` for the
-    definitions); ``useful_s`` is the productive time (its former name)."""
-    events = read_events(rd.events_path)
-    cfg = read_json(rd.run_json) or {}
+    definitions); ``useful_s`` is the productive time (its former name).  The history is
+    this machine's events merged with those the run's storage keeps
+    (:mod:`ckrun.report.stored`); ``lease`` is :func:`ckrun.report.lease_view.lease_view`
+    (None when the run has no lease or its storage is unknown)."""
+    storage = run_storage(rd)
+    events = merge_events(read_events(rd.events_path), stored_events(storage))
+    located = rd.load_config() if isinstance(rd, StoredRunDir) else None
+    cfg = read_json(rd.run_json) or (located.to_json() if located else {})
     holder = rd.live_holder()
     t_now = (now or utcnow()).timestamp()
     h = parse(events)
@@ -212,6 +219,7 @@ def summarize(rd: RunDir, now: dt.datetime | None = None) -> dict[str, Any]:
         "requeue_refusals": [
             {"attempt": a, "at_s": _r(t - acc.start)} for t, a, _m in h.requeue_refusals
         ],
+        "lease": None if storage is None else lease_view(storage),
         "scheduler": scheduler_view(rd),
         "interval": interval_numbers(rd.root),
     }
