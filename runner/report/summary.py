@@ -24,13 +24,12 @@ def newest_step(rd: RunDir, default: int | None) -> int | None:
     """The newest committed step in the run's storage (``default`` when unreadable)."""
     from ckrun.errors import CkrunError
     from ckrun.supervisor.preflight import newest_step as newest
-    from ckrun.supervisor.preflight import open_run_storage
 
     try:
-        cfg = rd.load_config()
-        if cfg is None:
+        st = run_storage(rd)
+        if st is None:
             return default
-        known = [x for x in (newest(open_run_storage(cfg)), default) if x is not None]
+        known = [x for x in (newest(st), default) if x is not None]
     except (CkrunError, OSError):
         return default
     return max(known) if known else None
@@ -40,11 +39,10 @@ def is_complete(rd: RunDir) -> bool:
     """True when the run's storage holds a valid ``COMPLETE.json``."""
     from ckrun.errors import CkrunError
     from ckrun.supervisor.preflight import is_complete as complete
-    from ckrun.supervisor.preflight import open_run_storage
 
     try:
-        cfg = rd.load_config()
-        return cfg is not None and complete(open_run_storage(cfg))
+        st = run_storage(rd)
+        return st is not None and complete(st)
     except (CkrunError, OSError):
         return False
 
