@@ -32,7 +32,6 @@ from ckrun.errors import (
     IncompatibleCheckpoint,
     RunLocked,
     UsageError,
-    map_os_error,
 )
 from ckrun.notices import iso_utc, utcnow
 from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
@@ -167,8 +166,7 @@ def remember_state_root(cfg: RunConfig) -> None:
     --storage S`` work as pasted from any directory.  Remote storage only: its default
     state directory is this machine's own cache; a local storage's is the run root.
 
-    Raises:
-        StorageError: the pointer cannot be written (the state directory is unusable).
+    A pointer that cannot be written is reported, never fatal.
     """
     if is_local_storage(cfg.storage):
         return
@@ -179,8 +177,11 @@ def remember_state_root(cfg: RunConfig) -> None:
     try:
         os.makedirs(default, exist_ok=True)
         write_json_atomic(os.path.join(default, STATE_POINTER), {"state_root": here})
-    except OSError as e:
-        raise map_os_error(e, path=default) from e
+    except OSError as e:  # the run works without it; only NAME --storage lookups miss it
+        say(
+            f"note: cannot write {default} ({e.strerror}): commands that take run "
+            f"{cfg.run!r} find it only with CKRUN_STATE_DIR={os.path.dirname(here)}"
+        )
 
 
 def located_config(name: str, storage: str | None) -> RunConfig:

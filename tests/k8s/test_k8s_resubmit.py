@@ -71,3 +71,16 @@ def test_the_409_message_without_a_known_storage_names_the_placeholder() -> None
     assert "`kubectl delete job ckrun-r1 -n ml`" in msg
     msg = str(k8s_api._exists_error(doc, "s3://b/runs"))
     assert "`ckrun cancel r1 --storage s3://b/runs`" in msg
+
+
+def test_an_unwritable_default_state_dir_only_costs_the_pointer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckrun.cli.commands import remember_state_root
+    from ckrun.config import resolve
+
+    (tmp_path / "not-a-dir").write_text("")  # XDG_STATE_HOME is a file: nothing under it
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "not-a-dir"))
+    cfg = resolve("k8s", {"storage": "s3://b/runs", "state_dir": str(tmp_path / "st")}, run="r")
+    remember_state_root(cfg)  # the submit goes on
+    assert f"CKRUN_STATE_DIR={tmp_path / 'st'}" in capsys.readouterr().err
