@@ -44,7 +44,8 @@ class Phases:
     meant to instead of in a fixed window the phases have outgrown.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, startup_share: float = 0.2, min_saves: int = 1) -> None:
+        self.startup_share, self.min_saves = startup_share, min_saves
         self.startup: list[float] = []
         self.save: list[float] = []
 
@@ -54,11 +55,11 @@ class Phases:
 
     def plan(self, rnd: random.Random) -> tuple[int, float]:
         """(saves to let begin before the kill: 0 = kill in the start-up, delay after it)."""
-        if self.startup and rnd.random() < 0.2:
+        if self.startup and rnd.random() < self.startup_share:
             return 0, rnd.uniform(0.0, self._typical(self.startup))
         if not self.save:  # nothing measured yet: time a first save, kill in the second
-            return 2, 0.0
-        return rnd.randint(1, 4), rnd.uniform(0.0, self._typical(self.save))
+            return max(2, self.min_saves), 0.0
+        return rnd.randint(self.min_saves, 4), rnd.uniform(0.0, self._typical(self.save))
 
 
 def _trial(
@@ -129,10 +130,11 @@ def _check(run_dir: Path, last: int, trial: int) -> int:
     return m.step
 
 
-def _kill_loop(run_dir: Path, trials: int, seed: int, env: dict[str, str]) -> tuple[int, int]:
+def _kill_loop(
+    run_dir: Path, trials: int, seed: int, env: dict[str, str], phases: Phases
+) -> tuple[int, int]:
     """``trials`` kills of savers of one run; returns (newest step, kills inside a save)."""
     rnd = random.Random(seed)
-    phases = Phases()
     p = subprocess.Popen(
         [sys.executable, PROG],
         stdin=subprocess.PIPE,
@@ -160,16 +162,18 @@ def _kill_loop(run_dir: Path, trials: int, seed: int, env: dict[str, str]) -> tu
 def test_sigkill_at_random_moments(tmp_path: Path) -> None:
     trials = int(os.environ.get("CKRUN_CRASH_TRIALS", "50"))
     seed = int(os.environ.get("CKRUN_CRASH_SEED", random.randrange(1 << 30)))
-    newest, mid_save = _kill_loop(tmp_path / "run", trials, seed, dict(os.environ))
+    newest, mid_save = _kill_loop(tmp_path / "run", trials, seed, dict(os.environ), Phases())
     assert newest >= trials // 2, f"too few commits ({newest}) to exercise the save (seed {seed})"
     assert mid_save >= trials // 4, f"only {mid_save} kills inside a save (seed {seed})"
 
 
 def test_kill_moments_follow_a_slow_start_up(tmp_path: Path) -> None:
     """A saver whose start-up alone outlasts the old fixed kill window (0.02-0.4 s) still
-    gets its kills inside its saves: the moments follow the measured phases."""
+    gets its kills inside its saves: the moments follow the measured phases.  Every kill
+    here waits for a second save to begin, so each trial commits at least once."""
     seed = int(os.environ.get("CKRUN_CRASH_SEED", random.randrange(1 << 30)))
     env = {**os.environ, "CRASH_ZYGOTE_STARTUP_S": "0.5"}
-    newest, mid_save = _kill_loop(tmp_path / "run", 6, seed, env)
-    assert newest >= 3, f"too few commits ({newest}) to exercise the save (seed {seed})"
+    phases = Phases(startup_share=0.0, min_saves=2)
+    newest, mid_save = _kill_loop(tmp_path / "run", 6, seed, env, phases)
+    assert newest >= 5, f"too few commits ({newest}) to exercise the save (seed {seed})"
     assert mid_save >= 2, f"only {mid_save} of 6 kills inside a save (seed {seed})"
