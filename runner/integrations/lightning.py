@@ -261,8 +261,8 @@ def resume_checkpoint(dirpath: str, storage: str | Storage | None = None) -> str
     fs = fileset.newest(st, prefix=PREFIX)
     if fs is None:
         return None
-    name, data = next((n, d) for n, d in fs.files.items() if n.startswith(PREFIX))
+    name = next(n for n in fs.files if n.startswith(PREFIX))
     path = os.path.join(dirpath, name[len(PREFIX) :])
-    fileset.write_atomic(path, data)
+    fs.extract(name, path)
     log.info("restored committed step %d into %s", fs.manifest.step, path)
     return path
