@@ -9,6 +9,10 @@
 What the callback does (sources: Lightning 2.6 ``Callback``, ``Trainer.save_checkpoint``,
 ``FitLoop.setup_data`` and ``_SignalConnector``):
 
+* **every save committed**: ``setup`` wraps the strategy's ``CheckpointIO`` in
+  :class:`ckrun.integrations.lightning_io.CkrunCheckpointIO`, so each full checkpoint
+  Lightning writes (``ModelCheckpoint``'s, the user's ``trainer.save_checkpoint``, the
+  callback's own) is committed by ckrun once written.
 * **notice**: :func:`ckrun.preemption_requested` is checked in ``on_train_batch_end``;
   on a notice (before the last batch: at the last one the final save follows anyway and
   the run completes with exit 0) the callback calls ``trainer.save_checkpoint``
@@ -45,12 +49,13 @@ from ckrun.checkpoint.sampler import ResumableSampler
 from ckrun.checkpoint.state import rng_state, set_rng_state
 from ckrun.control import install_signal_handlers, preemption_requested
 from ckrun.integrations.common import commit, exit_preempted, run_storage, step_digest
+from ckrun.integrations.lightning_io import PREFIX, CkrunCheckpointIO, install
 from ckrun.storage.base import Storage
 from torch.utils.data import DataLoader, RandomSampler
 
 log = logging.getLogger(__name__)
 
-PREFIX = "lightning/"
+__all__ = ["PREFIX", "CkrunCallback", "CkrunCheckpointIO", "resume_checkpoint"]
 
 
 class CkrunCallback(pl.Callback):
@@ -86,6 +91,7 @@ class CkrunCallback(pl.Callback):
         self._pending: dict[str, Any] | None = None
         self._resumed_from: int | None = None
         self._consumed = 0
+        self.io: CkrunCheckpointIO | None = None
         install_signal_handlers()
 
     # -- setup: SLURM requeue off, the training loader made resumable ----------------------
@@ -101,6 +107,8 @@ class CkrunCallback(pl.Callback):
             if isinstance(env, SLURMEnvironment) and env.auto_requeue:
                 env.auto_requeue = False
                 log.info("Lightning's SLURM auto-requeue is off: ckrun requeues the job")
+        if self.storage is not None:  # every full checkpoint Lightning writes is committed
+            self.io = install(trainer.strategy, self.storage, self.keep_last)
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "ckrun")
         if stage != "fit" or not self.data_position:
@@ -158,6 +166,8 @@ class CkrunCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed_from = trainer.global_step or None
+        if self.io is not None:
+            self.io.resumed_from = self._resumed_from
         if self._pending is not None and self._pending.get("rng") is not None:
             set_rng_state(
                 _native(self._pending["rng"])
@@ -203,7 +213,14 @@ class CkrunCallback(pl.Callback):
         assert self.dirpath is not None
         name = f"step={step}.ckpt" if kind != "final" else f"final-step={step}.ckpt"
         path = os.path.join(self.dirpath, name)
-        trainer.save_checkpoint(path)  # every rank must call it (a collective)
+        if self.io is not None:  # the plugin commits what Lightning writes (rank 0)
+            self.io.kind = kind
+            try:
+                trainer.save_checkpoint(path)  # every rank must call it (a collective)
+            finally:
+                self.io.kind = "recovery"
+            return
+        trainer.save_checkpoint(path)
         if self.storage is not None and trainer.is_global_zero:
             commit(
                 self.storage,
