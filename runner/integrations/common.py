@@ -78,6 +78,25 @@ def commit(
         return None
 
 
+def barrier() -> None:
+    """Wait for every rank (``torch.distributed.barrier`` on the default group); nothing
+    when ``torch.distributed`` is not initialised (one process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def launch_stamp() -> str | None:
+    """What identifies this launch of a multi-process job (``WORLD_SIZE`` > 1): the
+    attempt and the launcher's pid (torchrun's agent, shared by its ranks); None for
+    one process.  Ranks restoring the same commit into a shared directory use it to
+    restore once per launch."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return f"{os.environ.get('CKRUN_ATTEMPT', '')}:{os.getppid()}"
+
+
 def exit_preempted(step: int) -> None:
     """Leave the process with 75 (:attr:`ExitCode.PREEMPTED`) after a committed save."""
     print(

@@ -23,6 +23,10 @@ final artifact (``COMPLETE.json``).
 :func:`resume_checkpoint` restores the newest *verified* commit into
 ``output_dir/checkpoint-N`` (replacing a half-written directory of that name) and
 returns its path for ``trainer.train(resume_from_checkpoint=...)``; None on a fresh run.
+With several ranks (``torchrun``, ``ddp_backend="gloo"`` or NCCL) the first rank of a
+launch restores under a file lock and the others use its directory; each rank writes
+its own ``rng_state_<rank>.pth``, so ``on_save`` waits for all ranks (a barrier) before
+rank 0 commits the directory.
 The HF layout is kept, so HF tools read the directory as usual.  Sources: transformers
 ``TrainerCallback``/``TrainerControl`` and ``Trainer._maybe_log_save_evaluate`` /
 ``_save_checkpoint`` (transformers 5.24).
@@ -38,9 +42,11 @@ from typing import Any
 from ckrun.checkpoint import fileset
 from ckrun.control import install_signal_handlers, preemption_requested
 from ckrun.integrations.common import (
+    barrier,
     commit,
     dir_files,
     exit_preempted,
+    launch_stamp,
     run_storage,
     step_digest,
 )
@@ -51,6 +57,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
 STEPS_FILE = "ckrun_steps.json"  # per-step digests, CKRUN_STEP_DIGEST=1 (check-resume)
+RESTORED = ".ckrun-restored"  # in a restored checkpoint-N: which launch restored it
 
 
 class CkrunCallback(TrainerCallback):
@@ -109,6 +116,9 @@ class CkrunCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
         step = state.global_step
+        # every rank writes its own rng_state_<rank>.pth and the Trainer does not wait
+        # for them before on_save: rank 0 commits the directory once all are written
+        barrier()
         if self.storage is not None and state.is_world_process_zero:
             top = f"{PREFIX}{step}"
             self._write_steps(str(args.output_dir), top)
@@ -163,6 +173,28 @@ def resume_checkpoint(output_dir: str, storage: str | Storage | None = None) -> 
         return None
     top = f"{PREFIX}{fs.manifest.step}"
     os.makedirs(output_dir, exist_ok=True)
-    path = fileset.restore_dir(fs, output_dir, top)
+    stamp = launch_stamp()
+    if stamp is None:
+        path = fileset.restore_dir(fs, output_dir, top)
+    else:  # the ranks of one launch share output_dir: the first restores, all wait for it
+        from filelock import FileLock
+
+        stamp += f":{fs.manifest.shards[0].checksum}"
+        marker = os.path.join(output_dir, top, RESTORED)
+        with FileLock(os.path.join(output_dir, ".ckrun-restore.lock")):
+            if _read(marker) == stamp:
+                return os.path.join(output_dir, top)
+            path = fileset.restore_dir(fs, output_dir, top)
+            from ckrun.storage.fsutil import write_pieces_atomic
+
+            write_pieces_atomic(marker, [stamp.encode()])
     log.info("restored committed step %d into %s", fs.manifest.step, path)
     return path
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -51,7 +51,7 @@ from ckrun.control import install_signal_handlers, preemption_requested
 from ckrun.integrations.common import commit, exit_preempted, run_storage, step_digest
 from ckrun.integrations.lightning_io import PREFIX, CkrunCheckpointIO, install
 from ckrun.storage.base import Storage
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +118,9 @@ class CkrunCallback(pl.Callback):
             log.warning("cannot reach Lightning's training data source: data position not restored")
             return
         original = src.dataloader
-        src.dataloader = lambda: self._resumable(original())
+        src.dataloader = lambda: self._resumable(original(), trainer)
 
-    def _resumable(self, loader: Any) -> Any:
+    def _resumable(self, loader: Any, trainer: pl.Trainer) -> Any:
         if type(loader) is not DataLoader or not isinstance(loader.sampler, RandomSampler):
             if not isinstance(getattr(loader, "sampler", None), ResumableSampler):
                 log.warning(
@@ -128,17 +128,26 @@ class CkrunCallback(pl.Callback):
                     "restore its position mid-epoch"
                 )
             return loader
+        world, rank = trainer.world_size, trainer.global_rank
+        seed = torch.initial_seed() % 2**31
+        if world > 1:  # one permutation for all ranks, each takes its share
+            seed = int(trainer.strategy.broadcast(seed))
         self.sampler = ResumableSampler(
-            len(cast(Sized, loader.dataset)), shuffle=True, seed=torch.initial_seed() % 2**31
+            len(cast(Sized, loader.dataset)),
+            shuffle=True,
+            seed=seed,
+            num_replicas=world,
+            rank=rank,
         )
         if self._pending is not None and self._pending.get("sampler") is not None:
-            self.sampler.load_state_dict(self._pending["sampler"])
+            # rank 0 wrote the checkpoint; every rank has consumed as many batches
+            self.sampler.load_state_dict({**self._pending["sampler"], "rank": rank})
         self.batch_size = loader.batch_size or 1
         self._consumed = self.sampler.position
         return DataLoader(
             loader.dataset,
             batch_size=loader.batch_size,
-            sampler=self.sampler,
+            sampler=self.sampler if world == 1 else RankSampler(self.sampler),
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory,
@@ -158,7 +167,15 @@ class CkrunCallback(pl.Callback):
         if self.sampler is not None:
             sampler = self.sampler.state_dict()
             sampler["position"] = min(self._consumed, len(self.sampler))
-        return {"rng": _portable(rng_state()), "sampler": sampler, "steps": dict(self.steps)}
+        rng = _portable(rng_state())
+        out: dict[str, Any] = {"rng": rng, "sampler": sampler, "steps": dict(self.steps)}
+        if _world() > 1:  # rank 0 writes the file: it holds every rank's RNG
+            import torch.distributed as dist
+
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, rng)  # every rank dumps the checkpoint's state
+            out["rng_ranks"] = ranks
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = dict(state_dict)
@@ -169,9 +186,7 @@ class CkrunCallback(pl.Callback):
         if self.io is not None:
             self.io.resumed_from = self._resumed_from
         if self._pending is not None and self._pending.get("rng") is not None:
-            set_rng_state(
-                _native(self._pending["rng"])
-            )  # last: the next draw is the resumed batch's
+            set_rng_state(_native(_own_rng(self._pending, trainer)))  # last: the next draw
         self._pending = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -204,7 +219,7 @@ class CkrunCallback(pl.Callback):
         # on_fit_end, not on_train_end: a run resumed from a checkpoint of its last step
         # skips the training loop (and on_train_end) and must still finalize
         if self._pending is not None and self._pending.get("rng") is not None:
-            set_rng_state(_native(self._pending["rng"]))  # resumed at the end: no on_train_start
+            set_rng_state(_native(_own_rng(self._pending, trainer)))  # no on_train_start
             self._pending = None
         if not trainer.interrupted:
             self._save(trainer, trainer.global_step, kind="final")
@@ -243,6 +258,47 @@ def _last_step(trainer: pl.Trainer) -> bool:
         and max_epochs is not None
         and 0 < max_epochs <= trainer.current_epoch + 1
     )
+
+
+class RankSampler(DistributedSampler):  # type: ignore[type-arg]
+    """A :class:`ResumableSampler` with several replicas, presented to Lightning as the
+    ``DistributedSampler`` it would otherwise wrap around it (``DistributedSamplerWrapper``
+    re-partitions whatever the inner sampler yields, which breaks a mid-epoch resume)."""
+
+    def __init__(self, inner: ResumableSampler) -> None:  # no super(): nothing of its own
+        self.inner = inner
+        self.num_replicas, self.rank = inner.num_replicas, inner.rank
+        self.shuffle, self.seed, self.drop_last = inner.shuffle, inner.seed, inner.drop_last
+        self.epoch = inner.epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+        self.epoch = epoch
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _own_rng(state: dict[str, Any], trainer: pl.Trainer) -> dict[str, Any]:
+    """This rank's RNG from a checkpoint (rank 0's when it holds no per-rank states or
+    was written by another world size: then a resume is not exact, and says so)."""
+    ranks = state.get("rng_ranks")
+    if isinstance(ranks, list) and len(ranks) == trainer.world_size:
+        return cast(dict[str, Any], ranks[trainer.global_rank])
+    if trainer.world_size > 1:
+        log.warning(
+            "the checkpoint holds no RNG state of rank %d: rank 0's is used", trainer.global_rank
+        )
+    return cast(dict[str, Any], state["rng"])
 
 
 def _portable(rng: dict[str, Any]) -> dict[str, Any]:
