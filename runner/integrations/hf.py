@@ -46,7 +46,7 @@ from ckrun.integrations.common import (
     commit,
     dir_files,
     exit_preempted,
-    launch_stamp,
+    restore_shared,
     run_storage,
     step_digest,
 )
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
 STEPS_FILE = "ckrun_steps.json"  # per-step digests, CKRUN_STEP_DIGEST=1 (check-resume)
-RESTORED = ".ckrun-restored"  # in a restored checkpoint-N: which launch restored it
 
 
 class CkrunCallback(TrainerCallback):
@@ -173,28 +172,6 @@ def resume_checkpoint(output_dir: str, storage: str | Storage | None = None) -> 
         return None
     top = f"{PREFIX}{fs.manifest.step}"
     os.makedirs(output_dir, exist_ok=True)
-    stamp = launch_stamp()
-    if stamp is None:
-        path = fileset.restore_dir(fs, output_dir, top)
-    else:  # the ranks of one launch share output_dir: the first restores, all wait for it
-        from filelock import FileLock
-
-        stamp += f":{fs.manifest.shards[0].checksum}"
-        marker = os.path.join(output_dir, top, RESTORED)
-        with FileLock(os.path.join(output_dir, ".ckrun-restore.lock")):
-            if _read(marker) == stamp:
-                return os.path.join(output_dir, top)
-            path = fileset.restore_dir(fs, output_dir, top)
-            from ckrun.storage.fsutil import write_pieces_atomic
-
-            write_pieces_atomic(marker, [stamp.encode()])
+    path = restore_shared(fs, output_dir, top)
     log.info("restored committed step %d into %s", fs.manifest.step, path)
     return path
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None

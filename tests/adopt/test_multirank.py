@@ -61,3 +61,65 @@ def test_two_ranks_preempted_resume_to_the_uninterrupted_state(tmp_path: Path, s
     assert any(marker in p for p in names), names[:40]
     _, div, _ = compare_trees(ref, got)
     assert div is None, f"{div.path}: {div.detail}"
+
+
+_RESTORE = """
+import os, sys
+from ckrun.checkpoint import fileset
+from ckrun.integrations.common import restore_shared
+from ckrun.storage import open_storage
+print("ready", flush=True)
+sys.stdin.readline()  # the parent releases both ranks at once
+fs = fileset.newest(open_storage(sys.argv[2]), prefix="checkpoint-")
+path = restore_shared(fs, sys.argv[1], "checkpoint-5")  # what hf.resume_checkpoint does
+print(path, sorted(n for n in os.listdir(path) if not n.startswith(".ckrun-")), flush=True)
+"""
+
+
+@pytest.mark.slow  # four processes importing torch (the shard codec): > 10 s under load
+def test_the_ranks_of_a_launch_restore_one_directory_once(tmp_path: Path) -> None:
+    """Two ranks of one torchrun launch (same parent, WORLD_SIZE=2) restore the same
+    ``checkpoint-N`` into a shared output_dir at the same moment: both get the complete
+    directory, neither fails on the other's rename, and a half-written directory left
+    by the previous launch is replaced."""
+    import os
+
+    from ckrun.checkpoint import fileset
+    from ckrun.storage import open_storage
+
+    src = tmp_path / "src" / "checkpoint-5"
+    src.mkdir(parents=True)
+    for i in range(6):
+        (src / f"part{i}.bin").write_bytes(bytes([i]) * (1 << 20))
+    files = {f"checkpoint-5/{p.name}": str(p) for p in src.iterdir()}
+    st = open_storage(str(tmp_path / "run"))
+    fileset.commit_files(st, 5, files, run="r", attempt=0)
+    out = tmp_path / "out"
+    want = sorted(p.name for p in src.iterdir())
+    for launch in (1, 2):
+        if launch > 1:  # the previous launch was killed while the Trainer rewrote it
+            (out / "checkpoint-5" / "part0.bin").write_bytes(b"half")
+        env = {**os.environ, "WORLD_SIZE": "2", "CKRUN_ATTEMPT": str(launch)}
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RESTORE, str(out), str(tmp_path / "run")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )  # fmt: skip
+            for _ in range(2)
+        ]
+        for r in ranks:
+            assert r.stdout is not None and r.stdout.readline().strip() == "ready"
+        for r in ranks:
+            assert r.stdin is not None
+            r.stdin.write("go\n")
+            r.stdin.flush()
+        for r in ranks:
+            stdout, stderr = r.communicate(timeout=120)
+            assert r.returncode == 0, stderr[-3000:]
+            assert stdout.strip() == f"{out / 'checkpoint-5'} {want}"
+        for i in range(6):
+            assert (out / "checkpoint-5" / f"part{i}.bin").read_bytes() == bytes([i]) * (1 << 20)
