@@ -129,6 +129,7 @@ class CkrunCallback(TrainerCallback):
                 resumed_from=self.resumed_from,
             )
         if self.preempting and step < state.max_steps:  # at the last step: finalize, exit 0
+            barrier()  # torchrun stops every rank once one exits 75: not before the commit
             exit_preempted(step)
         return control
 
