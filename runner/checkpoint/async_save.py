@@ -31,7 +31,9 @@ writer's, inherit both.  A training loop then keeps the CPUs: the persist's CRC 
 system calls run in the loop's gaps.  Whoever waits for the persist (``result()``, the
 next save, ``wait()``, ``close()``, an emergency save) first raises its threads back to
 the normal policy (:func:`ckrun.storage.priority.raise_waited`), so a waited-for persist
-never starves behind other busy processes.  Measured in bench/README.md ("compute kept
+never starves behind other busy processes, and one nobody waits for is raised after
+``CKRUN_PERSIST_IDLE_S`` (10 s; :mod:`ckrun.checkpoint.persist_policy`), so an async
+save's durability lag stays bounded.  Measured in bench/README.md ("compute kept
 during the persist").
 
 Emergency saves: a synchronous ``save`` while a save is in flight reads the notice
@@ -48,7 +50,6 @@ import atexit
 import copy
 import dataclasses
 import logging
-import os
 import sys
 import threading
 import time
@@ -62,9 +63,10 @@ from ckrun.checkpoint import pipeline
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.lazy_snapshot import LazySnapshot
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
+from ckrun.checkpoint.persist_policy import idle_limit_s, lag_bound, persist_sched
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
 from ckrun.checkpoint.sharding import Planned
-from ckrun.errors import CheckpointError, ConfigError
+from ckrun.errors import CheckpointError
 from ckrun.storage import priority
 
 __all__ = ["AsyncSaveHandle", "AsyncSaver", "SaveHandle", "check_step", "warn_sync_fallback"]
@@ -76,21 +78,6 @@ DEFAULT_RATE = 200e6
 #: Margin on estimated durations when deciding whether a deadline allows a new save.
 SAFETY = 1.5
 PERSIST_NICE = priority.PERSIST_NICE
-
-
-def persist_sched() -> bool:
-    """``CKRUN_PERSIST_SCHED``: True for ``idle`` (the default), False for ``other``.
-
-    Raises:
-        ConfigError: another value.
-    """
-    raw = os.environ.get("CKRUN_PERSIST_SCHED", "idle").strip().lower() or "idle"
-    if raw not in ("idle", "other"):
-        raise ConfigError(
-            f"CKRUN_PERSIST_SCHED={raw!r}: expected 'idle' (SCHED_IDLE, the default) "
-            "or 'other' (the normal policy at CKRUN_PERSIST_NICE)"
-        )
-    return raw == "idle"
 
 
 class AsyncSaveHandle(SaveHandle):
@@ -146,6 +133,7 @@ class AsyncSaver:
         self._compat_block = compat_block
         self.buffers = HostBuffers()
         self.nice, self.idle = nice, persist_sched()
+        self.idle_limit_s = idle_limit_s()  # SCHED_IDLE lag bound (persist_policy)
         self.policy: str | None = None  # the worker's policy during the last persist
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckrun-persist")
         self._inflight: AsyncSaveHandle | None = None
@@ -223,21 +211,22 @@ class AsyncSaver:
     ) -> Manifest:
         t0 = time.monotonic()
         self.policy = priority.lower(self.nice, idle=self.idle)  # raised by a waiter
-        open_shard = self.buffers.writer_for(self._ctx.storage)
-        if lz is not None:  # every tensor copied (by the copier or a step's hook), checked
-            lz.wait()
-            open_shard = lz.verified(open_shard or self._ctx.storage.open_write)
-        m = pipeline.persist(
-            self._ctx,
-            step,
-            snap,
-            kind=kind,
-            compat=compat,
-            metrics=metrics,
-            created_utc=created,
-            started=started,
-            open_shard=open_shard,
-        )
+        with lag_bound(self.policy, self.idle_limit_s, step):
+            open_shard = self.buffers.writer_for(self._ctx.storage)
+            if lz is not None:  # every tensor copied (by the copier or a hook), checked
+                lz.wait()
+                open_shard = lz.verified(open_shard or self._ctx.storage.open_write)
+            m = pipeline.persist(
+                self._ctx,
+                step,
+                snap,
+                kind=kind,
+                compat=compat,
+                metrics=metrics,
+                created_utc=created,
+                started=started,
+                open_shard=open_shard,
+            )
         self.last_persist_s = time.monotonic() - t0
         self.last_durable_s = time.monotonic() - started
         pipeline.retain(self._ctx, m)

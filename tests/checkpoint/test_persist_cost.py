@@ -189,3 +189,34 @@ def test_persist_sched_other_and_bad_value(run_dir: Path, monkeypatch: pytest.Mo
     with ckrun.Checkpointer(storage=str(run_dir / "b")) as ck, pytest.raises(ConfigError) as e:
         ck.async_save(1, make_state(1))
     assert "CKRUN_PERSIST_SCHED" in str(e.value)
+
+
+@pytest.mark.skipif(not IDLE_OK, reason="leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE")
+def test_an_idle_persist_nobody_waits_for_is_raised_after_the_lag_bound(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SCHED_IDLE may starve a persist for as long as the cores stay busy; a hard kill
+    then loses every step since the previous commit.  The lag bound
+    (``CKRUN_PERSIST_IDLE_S``) raises the persist to the normal policy on its own, with
+    nobody waiting, so the durability lag of an async save stays bounded."""
+    monkeypatch.delenv("CKRUN_PERSIST_SCHED", raising=False)
+    monkeypatch.setenv("CKRUN_PERSIST_IDLE_S", "0.3")
+    gate = threading.Event()
+    seen = _watch_persist(monkeypatch, gate)
+    with ckrun.Checkpointer(storage=str(run_dir)) as ck:
+        h = ck.async_save(1, make_state(1))
+        _until(lambda: bool(seen), "the persist started")
+        tid = seen[0][1]
+        _until(lambda: os.sched_getscheduler(tid) == os.SCHED_OTHER, "raised by the bound", 20)
+        assert not h.done()  # nobody waited: the bound alone raised it
+        assert os.getpriority(os.PRIO_PROCESS, tid) >= priority.PERSIST_NICE  # nice kept
+        gate.set()
+        _until(h.done, "the persist committed")
+        assert h.result().step == 1
+
+
+def test_the_lag_bound_rejects_a_bad_value(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKRUN_PERSIST_IDLE_S", "-1")
+    with ckrun.Checkpointer(storage=str(run_dir)) as ck, pytest.raises(ConfigError) as e:
+        ck.async_save(1, make_state(1))
+    assert "CKRUN_PERSIST_IDLE_S" in str(e.value)
