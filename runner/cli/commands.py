@@ -19,6 +19,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from ckrun.cli.suggest import check_script, close_run_names
 from ckrun.config import (
     RunConfig,
     build_notice_sources,
@@ -138,8 +139,11 @@ def locate(name: str, storage: str | None) -> RunDir:
     cfg = _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
     rd = RunDir(cfg.state_root)
     if not rd.exists():
+        close = close_run_names(name, cfg.storage)
         raise UsageError(
-            f"no run {name!r} under {cfg.storage} (no {rd.run_json}); pass --storage DIR "
+            f"no run {name!r} under {cfg.storage}"
+            + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
+            + f" (no {rd.run_json}); pass --storage DIR "
             f"where it was submitted; `{shlex.join(['ckrun', 'runs', '--storage', cfg.storage])}`"
             " lists the runs there"
         )
@@ -231,6 +235,8 @@ def submit(
     name = default_run_name(command) if run_name is None else check_run_name(run_name)
     cfg = _absolute(resolve(profile, cli, run=name, command=command))
     local = cfg.scheduler == "local"
+    if local and not dry_run:
+        check_script(command)
     rundir = _submit_state(cfg)
     sched = scheduler_for(cfg.scheduler, cfg)
     args: list[str] = ["--storage", cfg.storage, "--profile", profile]
