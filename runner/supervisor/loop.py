@@ -60,6 +60,7 @@ from ckrun.storage.base import Storage
 from ckrun.supervisor import launch, process
 from ckrun.supervisor import machine as sm
 from ckrun.supervisor.budgets import BudgetStore, RunBudgets, RunDirBudgets
+from ckrun.supervisor.console import Console
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.ownership import Ownership
 from ckrun.supervisor.ports import Clock, MonotonicClock, OsProcessTable, ProcessTable
@@ -130,7 +131,7 @@ class Supervisor:
         self.budgets: BudgetStore = budgets or RunDirBudgets(rundir.root)
         self._own_budgets = budgets is None
         self.restore_signals = restore_signals
-        self.out = out or sys.stderr
+        self.out = Console(out or sys.stderr)
         self.notice_sig = cfg.signal_number()
         self.events = EventLog(rundir.events_path, cfg.run, fallback=self.out)
         self.child: process.Child | None = None
@@ -146,6 +147,7 @@ class Supervisor:
         self.owner: Ownership | None = None
         self.runstate: RunState | None = None
         self._lost_sent = False
+        self._console_noted = False
 
     # ------------------------------------------------------------ plumbing
     @property
@@ -171,11 +173,12 @@ class Supervisor:
 
     def say(self, message: str) -> None:
         """Print one ``[ckrun]`` line."""
-        print(
-            f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}",
-            file=self.out,
-            flush=True,
-        )
+        line = f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}"
+        print(line, file=self.out, flush=True)
+        lost = self.out.lost
+        if lost is not None and not self._console_noted:  # once: the run goes on
+            self._console_noted = True
+            self.events.append("console_lost", message=f"console gone ({lost}); at: {message}")
 
     def signal(self, signum: int) -> None:
         """Record signal ``signum`` (the handler; tests call it directly)."""

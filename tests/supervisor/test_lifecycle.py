@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -374,3 +375,34 @@ def test_plain_script_finishing_after_a_notice_is_completed_not_restarted(
     assert sup.text.count("finished") == 1
     root = tmp_path / "runs" / "plain"
     assert kinds(root).count("spawn") == 1 and "completed" in kinds(root)
+
+
+def test_ctrl_c_after_the_console_pipe_closed_still_saves(tmp_path: Path) -> None:
+    """`ckrun submit train.py 2>&1 | tee log`, then Ctrl-C: the terminal's SIGINT reaches
+    `tee` too, so the supervisor's next line hits a closed pipe (EPIPE).  It used to die
+    of the BrokenPipeError in the middle of the save it exists for (no checkpoint, run
+    SUPERVISOR_DIED); now the console goes quiet, the save commits, exit 130."""
+    env = dict(os.environ, **FAST_ENV)
+    env.pop("CKRUN_CONTROL_DIR", None)
+    # the child keeps its own output, so only the supervisor writes to the pipe
+    child = shlex.join([PY, CHILD, "--steps", "400", "--step-s", "0.03"])
+    args = ["submit", "--run", "tee", "--storage", "runs", "--", "sh", "-c",
+            f"exec {child} > child.out 2>&1"]  # fmt: skip
+    sup = subprocess.Popen(
+        [PY, "-m", "ckrun.cli", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert sup.stdout is not None
+    out = tmp_path / "child.out"
+    assert wait_until(lambda: out.exists() and "step 5\n" in out.read_text(), 60), sup.pid
+    sup.stdout.close()  # `tee` is gone
+    sup.send_signal(signal.SIGINT)
+    assert sup.wait(timeout=60) == 130
+    root = tmp_path / "runs" / "tee"
+    done = [e for e in events(root) if e["kind"] == "cancelled"]
+    assert done and done[-1]["new_checkpoint"] is True, kinds(root)
+    assert "console_lost" in kinds(root)
+    assert "saved" in out.read_text()
