@@ -406,3 +406,35 @@ def test_ctrl_c_after_the_console_pipe_closed_still_saves(tmp_path: Path) -> Non
     assert done and done[-1]["new_checkpoint"] is True, kinds(root)
     assert "console_lost" in kinds(root)
     assert "saved" in out.read_text()
+
+
+@pytest.mark.slow
+def test_a_hung_up_terminal_keeps_the_work_since_the_last_checkpoint(tmp_path: Path) -> None:
+    """An SSH session that drops under a foreground `ckrun submit`: the terminal hangs
+    up, the supervisor gets SIGHUP and forwards it.  The training process used to die of
+    it at once (no save: every step since the last checkpoint lost, run FAILED with no
+    checkpoint); the library now takes it as a notice and commits first."""
+    env = dict(os.environ, **FAST_ENV)
+    env.pop("CKRUN_CONTROL_DIR", None)
+    args = ["submit", "--run", "hup", "--storage", "runs", CHILD, "--steps", "400",
+            "--step-s", "0.03"]  # fmt: skip
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(tmp_path)
+        os.execve(PY, [PY, "-m", "ckrun.cli", *args], env)
+    out = b""
+    end = time.monotonic() + 120
+    while b"step 5\r\n" not in out and time.monotonic() < end:
+        if select.select([fd], [], [], 0.1)[0]:
+            out += os.read(fd, 4096)
+    assert b"step 5\r\n" in out, out
+    os.close(fd)  # the terminal hangs up: SIGHUP to its session leader, the supervisor
+    os.waitpid(pid, 0)
+    root = tmp_path / "runs" / "hup"
+    assert "forward" in kinds(root)
+    ends = [e for e in events(root) if e["kind"] == "attempt_end"]
+    assert ends and ends[-1]["commits"], events(root)  # a checkpoint made after the hangup
+    again = ckrun(args, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resumed None" not in again.stdout, again.stdout
+    assert f"done {expected_w(400)}" in again.stdout, again.stdout
