@@ -438,3 +438,16 @@ def test_a_hung_up_terminal_keeps_the_work_since_the_last_checkpoint(tmp_path: P
     assert again.returncode == 0, again.stderr
     assert "resumed None" not in again.stdout, again.stdout
     assert f"done {expected_w(400)}" in again.stdout, again.stdout
+
+
+def test_a_new_submit_starts_with_fresh_budgets(tmp_path: Path) -> None:
+    """README: "`ckrun submit` starts a new submission with fresh budgets".  The
+    supervisor's own first write of the run's record (at lease activation) made the
+    record look newer than the reset, so a fixed script resubmitted after a crash loop
+    started with the old failure streak and stopped after ONE failure."""
+    args = ["submit", "--run", "bud", "--storage", "runs", "--", "false"]
+    for _ in range(2):
+        r = ckrun(args, tmp_path)
+        assert r.returncode == 1 and "crash loop: 2 failures in a row" in r.stderr, r.stderr
+    starts = [e for e in events(tmp_path / "runs" / "bud") if e["kind"] == "supervisor_start"]
+    assert [s["budgets"]["failures"] for s in starts] == [0, 0]
