@@ -27,7 +27,14 @@ from ckrun.config import (
     is_local_storage,
     resolve,
 )
-from ckrun.errors import CkrunError, ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
+from ckrun.errors import (
+    CkrunError,
+    ConfigError,
+    ExitCode,
+    IncompatibleCheckpoint,
+    RunLocked,
+    UsageError,
+)
 from ckrun.notices import iso_utc, utcnow
 from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
 from ckrun.storage.fsutil import write_json_atomic
@@ -290,7 +297,13 @@ def submit(
     budgets.reset()  # a new submission: fresh budgets (before its job can start)
     say(f"run {name}: storage {cfg.run_root}, profile {profile}")
     if local and not detach:
-        return supervise(cfg, name, "local", frozen=cfg)
+        rc = supervise(cfg, name, "local", frozen=cfg)
+        if rc == ExitCode.INCOMPATIBLE and before is not None and launch_diff(before, cfg):
+            # the checkpoint refused this launch: the run stays what it was, so the
+            # original command (what the refusal tells the user to restore) still runs
+            rundir.freeze(before)
+            say(f"run {name}: run.json keeps its previous launch (the checkpoint refused this one)")
+        return rc
     try:
         job_id = sched.submit(spec)
     except CkrunError:  # refused: leave the run as it was (no new frozen run.json)

@@ -451,3 +451,19 @@ def test_a_new_submit_starts_with_fresh_budgets(tmp_path: Path) -> None:
         assert r.returncode == 1 and "crash loop: 2 failures in a row" in r.stderr, r.stderr
     starts = [e for e in events(tmp_path / "runs" / "bud") if e["kind"] == "supervisor_start"]
     assert [s["budgets"]["failures"] for s in starts] == [0, 0]
+
+
+def test_a_launch_the_checkpoint_refuses_does_not_replace_the_run(tmp_path: Path) -> None:
+    """`--allow-change launch_hash` with a changed experiment: the checkpoint refuses it
+    (exit 4, "restore the original settings ...").  The refused launch used to stay
+    frozen in run.json, so restoring the original command was refused in turn."""
+    base = ["submit", "--run", "x", "--storage", "runs"]
+    orig = [CHILD, "--steps", "5", "--step-s", "0", "--save-every", "1"]
+    first = ckrun([*base, "--max-failures", "0", *orig, "--crash-at", "2"], tmp_path)
+    assert first.returncode == 1 and "crash at 2" in first.stdout, first.stderr  # step 2 kept
+    changed = [*base, "--allow-change", "launch_hash", *orig[:1], "--steps", "6"]
+    r = ckrun(changed, tmp_path)
+    assert r.returncode == 4 and "restore the original settings" in r.stderr, r.stderr
+    again = ckrun([*base, *orig, "--crash-at", "2"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resumed 2 " in again.stdout, again.stdout
