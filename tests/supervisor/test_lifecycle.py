@@ -453,6 +453,7 @@ def test_a_new_submit_starts_with_fresh_budgets(tmp_path: Path) -> None:
     assert [s["budgets"]["failures"] for s in starts] == [0, 0]
 
 
+@pytest.mark.slow
 def test_a_launch_the_checkpoint_refuses_does_not_replace_the_run(tmp_path: Path) -> None:
     """`--allow-change launch_hash` with a changed experiment: the checkpoint refuses it
     (exit 4, "restore the original settings ...").  The refused launch used to stay
