@@ -48,8 +48,6 @@ Environment read here: ``CKRUN_CONTROL_DIR``, ``CKRUN_NOTICE_SIGNAL``,
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
 import signal
@@ -61,6 +59,7 @@ from types import FrameType
 from typing import Any
 
 from ckrun.notices import Notice
+from ckrun.procs import set_parent_death_signal
 from ckrun.storage.fsutil import write_json_atomic
 
 NOTICE_FILE = "notice.json"
@@ -68,7 +67,6 @@ ESCALATE_FILE = "escalate"
 EXIT_REASON_FILE = "exit-reason.json"
 #: Exit reasons the library records (see the module docstring).
 EXIT_REASONS = ("preempted", "incompatible", "config_invalid", "storage_full", "storage_denied")
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Seconds between two checks that the supervisor is alive.
 LIVENESS_INTERVAL_S = 1.0
 TRAINING_FILE = "training.json"
@@ -266,19 +264,6 @@ def read_exit_reason(cdir: str) -> dict[str, Any] | None:
     if not isinstance(body, dict) or body.get("reason") not in EXIT_REASONS:
         return None
     return body
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
-    """``prctl(PR_SET_PDEATHSIG, sig)``: this process gets ``sig`` when its parent dies.
-
-    Returns:
-        True when set (Linux); False elsewhere.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        return bool(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
 
 
 def supervisor_gone() -> bool:

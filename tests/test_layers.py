@@ -121,3 +121,10 @@ def test_the_ckrun_package_keeps_its_layers() -> None:
         [sys.executable, str(TOOL), str(REPO / "runner")], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("room", ["supervisor", "scheduler"])
+def test_modules_of_the_room_stay_under_400_lines(room: str) -> None:
+    # issue 18: one concern per module, none over ~400 lines (rooms split so far)
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "runner" / room).glob("*.py")}
+    assert {n: s for n, s in sizes.items() if s > 400} == {}

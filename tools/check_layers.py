@@ -36,7 +36,8 @@ PACKAGE = "ckrun"
 
 # (layer name, first-level names under ckrun that belong to it), lowest first.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("errors/notices", ("errors", "notices", "version", "options", "enums")),
+    # procs: fork/exec into a new session and prctl(2), shared by scheduler and supervisor
+    ("errors/notices", ("errors", "notices", "version", "options", "enums", "procs")),
     ("storage", ("storage",)),  # fsutil lives here: control writes its files with it
     ("control/runlog", ("control", "runlog")),
     ("checkpoint", ("checkpoint",)),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ckrun.errors import SchedulerError
 from ckrun.notices import DRILL, Notice, NoticeSource
+from ckrun.procs import spawn_session
 from ckrun.scheduler.base import JobInfo, JobSpec, JobState, RequeueOutcome
 
 log = logging.getLogger(__name__)
@@ -29,48 +30,18 @@ log = logging.getLogger(__name__)
 #: A drill notice's own lead time, seconds; the supervisor caps it by ``grace_s``.
 CHAOS_LEAD_S = 3600.0
 
-#: Signals reset to their default action in the detached supervisor (Python ignores
-#: SIGPIPE and SIGXFSZ; a caller may have handlers or ignores for the rest).
-RESET_SIGNALS = tuple(
-    getattr(signal, n)
-    for n in (
-        "SIGPIPE",
-        "SIGXFSZ",
-        "SIGTERM",
-        "SIGINT",
-        "SIGHUP",
-        "SIGQUIT",
-        "SIGUSR1",
-        "SIGUSR2",
-        "SIGCHLD",
-        "SIGALRM",
-    )
-    if hasattr(signal, n)
-)
-
 
 def spawn_detached(argv: list[str], env: dict[str, str], *, output_fd: int) -> int:
     """Start ``argv`` in a new session (no controlling terminal, its own process group),
     stdout and stderr on ``output_fd``, default signal dispositions and no blocked
     signals; returns its pid.  Unlike the supervisor's training child
-    (:func:`ckrun.supervisor.process.spawn`), nothing ties its life to this process.
+    (:func:`ckrun.supervisor.process.spawn`), nothing ties its life to this process: no
+    parent-death signal (:func:`ckrun.procs.spawn_session` with ``death_signal=0``).
 
     Raises:
         OSError: the command cannot be executed (the message names it).
     """
-    actions = [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
-    try:
-        return os.posix_spawnp(
-            argv[0],
-            argv,
-            env,
-            file_actions=actions,
-            setsid=True,
-            setsigmask=(),
-            setsigdef=RESET_SIGNALS,
-        )
-    except OSError as e:
-        raise OSError(e.errno, f"cannot run {argv[0]!r}: {e.strerror}") from e
+    return spawn_session(argv, env, output_fd=output_fd, death_signal=0)
 
 
 @dataclass(frozen=True)

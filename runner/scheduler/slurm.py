@@ -19,12 +19,9 @@ end time read from Slurm, signal or not.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import logging
 import os
-import re
-import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -38,22 +35,21 @@ from ckrun.scheduler.slurm_jobs import (
     map_state,
     parse_job_record,
     parse_slurm_time,
-    requeue_fix,
-    storage_base,
     validate_job_id,
 )
 from ckrun.scheduler.slurm_options import Options, options_from_mapping
+from ckrun.scheduler.slurm_requeue import (
+    CMD_TIMEOUT_S,
+    int_or,
+    requeue_fix,
+    requeue_verdict,
+    scontrol_requeue,
+)
+from ckrun.scheduler.slurm_script import LEAD_ENV, render_script, submit_script, supervisor_command
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Options", "SlurmScheduler", "options_from_mapping"]
-
-#: environment variables the rendered script exports (config.py's ``CKRUN_<KEY>`` names),
-#: so the supervisor in the job uses the lead time and notice signal Slurm was told.
-LEAD_ENV = "CKRUN_LEAD_S"
-SIGNAL_ENV = "CKRUN_NOTICE_SIGNAL"
-_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CMD_TIMEOUT_S = 60.0
 
 
 class SlurmScheduler:
@@ -89,72 +85,19 @@ class SlurmScheduler:
         return spec.options if isinstance(spec.options, Options) else self.options
 
     def supervisor_command(self, spec: JobSpec) -> str:
-        """The shell-quoted ``ckrun run --run NAME --storage BASE [ARGS] -- CMD`` line.
-
-        ``BASE`` is ``spec.storage`` (the run root ``BASE/NAME``) less ``/NAME``, unless
-        ``spec.supervisor_args`` already gives ``--storage``.
-        """
-        argv = [*shlex.split(self._opts(spec).launcher), "run", "--run", spec.run]
-        if "--storage" not in spec.supervisor_args:
-            argv += ["--storage", storage_base(spec.storage, spec.run)]
-        argv += [*spec.supervisor_args, "--", *spec.command]
-        return shlex.join(argv)
-
-    def _sbatch_params(self, spec: JobSpec, o: Options) -> dict[str, Any]:
-        if not spec.command:
-            raise ConfigError("no training command given: ckrun submit TRAIN.py ...")
-        prefix = "" if o.use_srun else "B:"
-        extra: dict[str, Any] = {"signal": f"{prefix}{o.signal}@{o.lead_s}", "time": o.time}
-        extra["requeue" if o.requeue else "no_requeue"] = True
-        extra.update(o.sbatch_extra_params())
-        setup = [f"export {LEAD_ENV}={o.lead_s}", f"export {SIGNAL_ENV}=SIG{o.signal}"]
-        for key in sorted(spec.env):
-            if not _ENV_KEY_RE.match(key):
-                raise ConfigError(f"environment name {key!r} is not a valid shell variable name")
-            setup.append(f"export {key}={shlex.quote(spec.env[key])}")
-        setup += list(o.setup)
-        params: dict[str, Any] = {
-            "job_name": spec.run, "partition": o.partition, "nodes": o.nodes,
-            "ntasks_per_node": 1, "gpus_per_node": o.gpus_per_node,
-            "cpus_per_task": o.cpus_per_task, "mem": o.mem, "account": o.account,
-            "qos": o.qos, "wckey": o.wckey, "setup": setup, "use_srun": o.use_srun,
-            "additional_parameters": extra,
-        }  # fmt: skip
-        if o.use_srun and o.cpus_per_task:
-            # Since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task (release
-            # notes 22.05): without this the supervisor and the training get one CPU.
-            params["srun_args"] = [f"--cpus-per-task={o.cpus_per_task}"]
-        return params
+        """The shell-quoted ``ckrun run --run NAME --storage BASE [ARGS] -- CMD`` line
+        (:func:`ckrun.scheduler.slurm_script.supervisor_command`)."""
+        return supervisor_command(spec, self._opts(spec))
 
     def render(self, spec: JobSpec) -> str:
-        """The exact sbatch script :meth:`submit` hands to ``sbatch`` (no side effects).
-
-        Rendered by submitit's ``_make_sbatch_string`` with the supervisor as the
-        command: ``srun ... ckrun run ...`` (``use_srun``) or ``exec ckrun run ...``.
+        """The exact sbatch script :meth:`submit` hands to ``sbatch`` (no side effects):
+        :func:`ckrun.scheduler.slurm_script.render_script`.
 
         Raises:
             ConfigError: no command, a bad environment name, ``spec.env`` setting a
                 different ``CKRUN_NOTICE_SIGNAL`` than the one Slurm will send.
         """
-        from submitit.slurm.slurm import _make_sbatch_string  # lazy: heavy import
-
-        o = self._opts(spec)
-        wanted = spec.env.get(SIGNAL_ENV, "").upper().removeprefix("SIG")
-        if wanted and wanted != o.signal:
-            raise ConfigError(
-                f"notice signal {wanted} differs from the signal Slurm sends ({o.signal}): "
-                "set the slurm profile's signal and notice_signal to the same value"
-            )
-        env = {k: v for k, v in spec.env.items() if k != SIGNAL_ENV}
-        spec = dataclasses.replace(spec, env=env)
-        command = self.supervisor_command(spec)
-        if not o.use_srun:
-            command = "exec " + command
-        folder = os.path.abspath(o.log_dir)
-        text: str = _make_sbatch_string(
-            command=command, folder=folder, **self._sbatch_params(spec, o)
-        )
-        return text
+        return render_script(spec, self._opts(spec))
 
     def submit(self, spec: JobSpec) -> str:
         """Submit through submitit's executor; returns the Slurm job id.
@@ -163,24 +106,7 @@ class SlurmScheduler:
             SchedulerError: ``sbatch``/``srun`` missing, or ``sbatch`` refused the job
                 (its message is included).
         """
-        script = self.render(spec)
-        if shutil.which("sbatch", path=self._env.get("PATH", os.defpath)) is None:
-            raise SchedulerError(
-                "sbatch not found on PATH: submit from a Slurm login node, or use "
-                "--dry-run to print the script and submit it with sbatch yourself"
-            )
-        o = self._opts(spec)
-        folder = os.path.abspath(o.log_dir)
-        os.makedirs(folder, exist_ok=True)
-        try:
-            executor = _script_executor(folder, script, o.nodes)
-            job = executor._submit_command(self.supervisor_command(spec))
-        except Exception as exc:  # submitit raises RuntimeError/FailedJobError/OSError
-            raise SchedulerError(
-                f"sbatch refused the job: {exc}; check partition/account/qos/time in the "
-                f"profile (the script is printed by `ckrun submit --dry-run`)"
-            ) from exc
-        return str(job.job_id)
+        return submit_script(spec, self._opts(spec), self._env.get("PATH", os.defpath))
 
     def log_files(self, spec: JobSpec, job_id: str) -> list[str]:
         """Where the job's output goes: submitit's ``<log_dir>/<job>_0_log.out`` and
@@ -191,7 +117,7 @@ class SlurmScheduler:
     # -- queries -----------------------------------------------------------------------
 
     def _run(
-        self, argv: list[str], timeout_s: float = _CMD_TIMEOUT_S
+        self, argv: list[str], timeout_s: float = CMD_TIMEOUT_S
     ) -> subprocess.CompletedProcess[str]:
         exe = shutil.which(argv[0], path=self._env.get("PATH", os.defpath))
         if exe is None:
@@ -263,7 +189,7 @@ class SlurmScheduler:
             "job_id": jid,
             "state": self.status(jid).value,
             "slurm_state": rec.get("JobState"),
-            "restarts": _int(rec.get("Restarts"), 0) if rec else None,
+            "restarts": int_or(rec.get("Restarts"), 0) if rec else None,
             "reason": rec.get("Reason"),
             "time_limit": rec.get("TimeLimit"),
             "end_utc": _iso(parse_slurm_time(rec.get("EndTime", ""))),
@@ -310,14 +236,15 @@ class SlurmScheduler:
         detail = {
             "slurm_job_id": raw, "array_job_id": array_job or None,
             "array_task_id": array_task or None, "node": env.get("SLURMD_NODENAME"),
-            "nnodes": _int(env.get("SLURM_NNODES"), 1), "partition": env.get("SLURM_JOB_PARTITION"),
+            "nnodes": int_or(env.get("SLURM_NNODES"), 1),
+            "partition": env.get("SLURM_JOB_PARTITION"),
             "in_step": "SLURM_STEP_ID" in env, "lead_s": self.lead_s,
         }  # fmt: skip
         return JobInfo(
             backend="slurm",
             job_id=job_id,
-            attempt=_int(env.get("SLURM_RESTART_COUNT"), 0),
-            rank=_int(env.get("SLURM_PROCID"), 0),
+            attempt=int_or(env.get("SLURM_RESTART_COUNT"), 0),
+            rank=int_or(env.get("SLURM_PROCID"), 0),
             time_limit_end_utc=_iso(end),
             detail=detail,
         )
@@ -348,71 +275,18 @@ class SlurmScheduler:
         jid = validate_job_id(job.job_id)
         if jid in self._requeued:
             return RequeueOutcome.REQUEUED
-        verdict = self._requeue_verdict(jid, job.attempt)
+        verdict = requeue_verdict(self.job_record(jid), job.attempt)
         if verdict == "cancelled":
             raise RequeueError(
                 f"job {jid} is being cancelled (scancel), so ckrun does not requeue it; the "
                 "checkpoint is committed: resubmit the same job to resume"
             )
         if verdict != "already":
-            msg = self._scontrol_requeue(jid)
-            if msg is not None and self._requeue_verdict(jid, job.attempt) != "already":
+            msg = scontrol_requeue(self._run, jid)
+            if msg is not None and requeue_verdict(self.job_record(jid), job.attempt) != "already":
                 raise RequeueError(requeue_fix(jid, msg))
         self._requeued.add(jid)
         return RequeueOutcome.REQUEUED
-
-    def _scontrol_requeue(self, jid: str) -> str | None:
-        """Run ``scontrol requeue``; None on success, else Slurm's message."""
-        try:
-            proc = self._run(["scontrol", "requeue", jid])
-        except FileNotFoundError as exc:
-            raise RequeueError(
-                f"scontrol not found on PATH, so job {jid} cannot requeue itself (a "
-                "container without Slurm's client tools?): bind-mount scontrol, slurm.conf "
-                "and the munge socket into the container, or run `ckrun run` outside it; "
-                f"the checkpoint is committed, `scontrol requeue {jid}` resumes it"
-            ) from exc
-        except subprocess.TimeoutExpired as exc:
-            raise RequeueError(
-                f"scontrol requeue {jid} did not answer in {_CMD_TIMEOUT_S:.0f} s (slurmctld "
-                f"down?); the checkpoint is committed, run `scontrol requeue {jid}` later"
-            ) from exc
-        if proc.returncode == 0:
-            return None
-        return (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}"
-
-    def _requeue_verdict(self, jid: str, attempt: int) -> str:
-        """``already`` (Slurm requeued it), ``cancelled`` (scancel), else ``requeue``."""
-        rec = self.job_record(jid)
-        state, restarts = rec.get("JobState", ""), _int(rec.get("Restarts"), 0)
-        if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
-            return "already"
-        if state == "COMPLETING" and restarts > attempt:
-            return "already"
-        if state == "CANCELLED" or (state == "COMPLETING" and rec.get("Reason") != "TimeLimit"):
-            return "cancelled"
-        return "requeue"
-
-
-def _script_executor(folder: str, script: str, nodes: int) -> Any:
-    """A submitit ``SlurmExecutor`` whose submission file is ``script`` verbatim."""
-    import submitit
-
-    class _Executor(submitit.SlurmExecutor):
-        def _make_submission_file_text(self, command: str, uid: str) -> str:
-            return script
-
-        def _num_tasks(self) -> int:
-            return nodes
-
-    return _Executor(folder=folder)
-
-
-def _int(value: str | None, default: int) -> int:
-    try:
-        return int(value) if value else default
-    except ValueError:
-        return default
 
 
 def _iso(t: dt.datetime | None) -> str | None:

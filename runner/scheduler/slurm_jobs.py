@@ -138,26 +138,6 @@ def storage_base(run_root: str, run: str) -> str:
     return root[: -len(suffix)] if root.endswith(suffix) and len(root) > len(suffix) else root
 
 
-def requeue_fix(jid: str, msg: str) -> str:
-    """The RequeueError message for Slurm's refusal ``msg``: the problem and the fix."""
-    low = msg.lower()
-    if "disabled" in low:
-        fix = (
-            "the job is not requeueable (--no-requeue, or JobRequeue=0 without --requeue): "
-            "submit with `#SBATCH --requeue` (ckrun's profile sets requeue: true)"
-        )
-    elif "access" in low or "permission" in low:
-        fix = "this user may not requeue the job; ask the site to allow it or run as its owner"
-    elif "finished" in low or "invalid job id" in low or "completed" in low:
-        fix = "the job already ended (cancelled?); resubmit the same script to resume"
-    else:
-        fix = "check `scontrol show job` and the slurmctld log"
-    return (
-        f"scontrol requeue {jid} refused: {msg or 'no message'}; {fix}. The checkpoint is "
-        "committed: resubmitting the same job resumes from it"
-    )
-
-
 class TimeLimitWatcher:
     """Notice source that fires ``lead_s`` seconds before the job's end time.
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from ckrun.storage.fsutil import write_json_atomic
+from ckrun.supervisor.state import Policy, State
 
 BUDGETS_FILE = "budgets.json"
 
@@ -88,3 +89,21 @@ class RunDirBudgets:
         """Start over: a record of zeros (newer than the run's record in storage, so the
         next supervisor here starts the new submission at zero)."""
         self.save(RunBudgets())
+
+
+def budgets_of(s: State) -> RunBudgets:
+    """The budgets the machine's state ``s`` holds (what a :class:`Persist` writes)."""
+    return RunBudgets(s.preemptions, s.failures, s.no_progress, s.streak)
+
+
+def resumed_state(policy: Policy, attempt: int, b: RunBudgets) -> State:
+    """The machine's state at a supervisor's start: ``attempt`` attempts already started
+    (ids never repeat within a run) and the budgets ``b`` read back."""
+    return State(
+        policy=policy,
+        attempt=attempt,
+        preemptions=b.preemptions,
+        failures=b.failures,
+        no_progress=b.no_progress,
+        streak=b.streak,
+    )

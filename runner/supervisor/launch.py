@@ -19,11 +19,18 @@ from ckrun.supervisor.rundir import RunDir
 
 
 def child_env(
-    cfg: RunConfig, rundir: RunDir, attempt: int, resume_step: int | None
+    cfg: RunConfig,
+    rundir: RunDir,
+    attempt: int,
+    resume_step: int | None,
+    lease_epoch: int | None = None,
 ) -> dict[str, str]:
-    """The complete environment of attempt ``attempt`` (see the module docstring)."""
+    """The complete environment of attempt ``attempt`` (see the module docstring);
+    ``lease_epoch`` (``CKRUN_LEASE_EPOCH``) fences the child's commits when the run is
+    owned through a lease (DESIGN.md §7)."""
     env = dict(os.environ)
     env.pop("CKRUN_RESUME_STEP", None)
+    env.pop("CKRUN_LEASE_EPOCH", None)
     root = cfg.run_root
     if is_local_storage(root):
         root = os.path.abspath(root.removeprefix("file://"))
@@ -41,6 +48,8 @@ def child_env(
     env.update(storage_env(cfg))  # endpoint_url, s3_* from the profile
     if resume_step is not None:
         env["CKRUN_RESUME_STEP"] = str(resume_step)
+    if lease_epoch is not None:
+        env["CKRUN_LEASE_EPOCH"] = str(lease_epoch)
     return env
 
 

@@ -5,24 +5,19 @@ The pure ``step(state, event) -> (state, actions)`` (DESIGN.md §4.5) lives in
 re-exported here.
 
 One thread, ticking every ``tick_s`` (0.2 s) or sooner when a signal arrives (the
-handlers only record the signal number; ``signal.set_wakeup_fd`` wakes the ``select``).
-Each round it
+handlers only record it, :mod:`ckrun.supervisor.signals`).  Each round it
 
-1. drains the recorded signals: SIGTERM and the notice signal (default USR1) become
-   notices, SIGINT (Ctrl-C) a save-and-stop :class:`~ckrun.supervisor.messages.Interrupt`,
-   HUP/QUIT are forwarded to the child's group, USR2 and CHLD only wake;
-2. takes ``ckrun preempt`` / ``ckrun cancel`` requests from ``control/``, and a peer
-   notice (``peer-notice.json``: the child's ranks agreed to stop for a notice that
-   reached another node of a multi-node job, :func:`ckrun.control.write_peer_notice`),
-   which drains this node like a notice of its own, without a restart in place;
-3. polls the notice sources (scheduler's, cloud, chaos);
-4. reaps (it alone waits: orphans adopted in subreaper mode are reaped too); while the
+1. takes in signals, ``ckrun preempt``/``cancel`` requests, a peer notice and the notice
+   sources' notices as the machine's events (:mod:`ckrun.supervisor.intake`);
+2. reaps (it alone waits: orphans adopted in subreaper mode are reaped too); while the
    command's own process is gone but its session is not, it feeds ``LeaderExited`` (the
-   machine's stray timers decide TERM/KILL); the attempt ends when the session is empty,
-   then the newest commit in storage and the library's exit-reason record are read (the
-   supervisor checks the checkpoint itself, not the child's word).  A peer notice left
-   before the child's end is taken first, so the exit is judged as a drain's;
-5. feeds a ``Tick`` (every timer is the machine's state).
+   machine's stray timers decide TERM/KILL); the attempt ends when the session is empty
+   (:mod:`ckrun.supervisor.attempt`: the newest commit in storage and the library's
+   exit-reason record, not the child's word).  A peer notice left before the child's end
+   is taken first, so the exit is judged as a drain's;
+3. in own-checkpoint mode commits a new version of the script's files
+   (:mod:`ckrun.supervisor.own_checkpoint`);
+4. feeds a ``Tick`` (every timer is the machine's state).
 
 The clock and the process table are arguments (:mod:`ckrun.supervisor.ports`), so the
 loop runs in tests with a fake clock and fake processes.  The signal handlers stay
@@ -48,45 +43,32 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from signal import Signals
 from typing import IO, Any
 
 from ckrun import control
 from ckrun.config import RunConfig
 from ckrun.errors import CkrunError
-from ckrun.notices import DRILL, PREEMPTION, TERMINATION, TIME_LIMIT, Notice, NoticeSource, utcnow
+from ckrun.notices import Notice, NoticeSource, utcnow
 from ckrun.runlog import EventLog
-from ckrun.scheduler.base import JobInfo, RequeueOutcome, Scheduler
+from ckrun.scheduler.base import JobInfo, Scheduler
 from ckrun.storage.base import Storage
-from ckrun.supervisor import launch, process
+from ckrun.supervisor import attempt, launch, own_checkpoint, process
 from ckrun.supervisor import machine as sm
-from ckrun.supervisor.budgets import BudgetStore, RunBudgets, RunDirBudgets
+from ckrun.supervisor.budgets import BudgetStore, RunDirBudgets, budgets_of, resumed_state
+from ckrun.supervisor.child import AttemptChild
 from ckrun.supervisor.console import Console
+from ckrun.supervisor.intake import NoticeIntake
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.ownership import Ownership
 from ckrun.supervisor.ports import Clock, MonotonicClock, OsProcessTable, ProcessTable
 from ckrun.supervisor.rundir import CANCEL_REQUEST, PREEMPT_REQUEST, RunDir, SupervisorLock
 from ckrun.supervisor.runstate import MirroredEventLog, RunState, StorageBudgets
-from ckrun.supervisor.watched import WatchedFiles, deliver_to_script, mark_started
+from ckrun.supervisor.signals import SignalInbox
+from ckrun.supervisor.state import policy_of
+from ckrun.supervisor.watched import WatchedFiles, mark_started
 
 __all__ = ["Phase", "Policy", "State", "Supervisor", "policy_of", "step"]
-
-_FORWARD = (signal.SIGHUP, signal.SIGQUIT)
-
-
-def policy_of(cfg: RunConfig) -> Policy:
-    """The machine's :class:`Policy` from a run's config."""
-    return Policy(
-        max_requeues=cfg.max_requeues,
-        max_failures=cfg.max_failures,
-        crash_loop_failures=cfg.crash_loop_failures,
-        grace_s=cfg.grace_s,
-        margin_s=cfg.margin_s,
-        kill_delay_s=cfg.kill_delay_s,
-        backoff_s=cfg.backoff_s,
-        backoff_max_s=cfg.backoff_max_s,
-        stray_s=cfg.stray_s,
-        no_progress_preemptions=cfg.no_progress_preemptions,
-    )
 
 
 class Supervisor:
@@ -134,19 +116,17 @@ class Supervisor:
         self.out = Console(out or sys.stderr)
         self.notice_sig = cfg.signal_number()
         self.events = EventLog(rundir.events_path, cfg.run, fallback=self.out)
-        self.child: process.Child | None = None
+        self.kid = AttemptChild(self.procs, self.clock)
         self._storage: Storage | None = None
-        self._signals: collections.deque[int] = collections.deque()
+        self.inbox = SignalInbox(self.notice_sig)
+        self.intake = NoticeIntake(
+            cfg, job, rundir, sources, self.notice_sig, self.say, self._append
+        )
         self._queue: collections.deque[sm.Event] = collections.deque()
-        self._last_notice: Notice | None = None
-        self._delivered: list[int] | None = None
-        self._notified: set[int] = set()
         self._watched: WatchedFiles | None = None
-        self._wake_r = -1
         self.state = sm.State(policy=policy_of(cfg))
         self.owner: Ownership | None = None
         self.runstate: RunState | None = None
-        self._lost_sent = False
         self._console_noted = False
 
     # ------------------------------------------------------------ plumbing
@@ -163,12 +143,7 @@ class Supervisor:
     def watched(self) -> WatchedFiles | None:
         """Own-checkpoint mode's commit source (None without ``checkpoint_paths``)."""
         if self._watched is None and self.cfg.checkpoint_paths:
-            self._watched = WatchedFiles(
-                tuple(self.cfg.checkpoint_paths),
-                self.storage,
-                self.cfg.run,
-                compat={"launch_hash": self.cfg.launch_hash()},
-            )
+            self._watched = own_checkpoint.watched_files(self.cfg, self.storage)
         return self._watched
 
     def say(self, message: str) -> None:
@@ -180,34 +155,12 @@ class Supervisor:
             self._console_noted = True
             self.events.append("console_lost", message=f"console gone ({lost}); at: {message}")
 
+    def _append(self, kind: str, **fields: Any) -> None:
+        self.events.append(kind, **fields)
+
     def signal(self, signum: int) -> None:
         """Record signal ``signum`` (the handler; tests call it directly)."""
-        self._signals.append(signum)
-
-    def _handler(self, signum: int, frame: object) -> None:
-        self._signals.append(signum)
-
-    def _install(self) -> Callable[[], None]:
-        sigs = {signal.SIGTERM, self.notice_sig, signal.SIGUSR2, signal.SIGCHLD, signal.SIGINT}
-        sigs.update(_FORWARD)
-        old = {s: signal.signal(s, self._handler) for s in sigs}
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        self._wake_r = r
-
-        def restore() -> None:
-            signal.set_wakeup_fd(old_fd)
-            for s, h in old.items():
-                if self.restore_signals or s == signal.SIGCHLD:
-                    signal.signal(s, h)
-                else:  # the run's outcome is decided: a late notice changes nothing
-                    signal.signal(s, signal.SIG_IGN)
-            os.close(r)
-            os.close(w)
-
-        return restore
+        self.inbox.record(signum)
 
     # ------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -242,7 +195,7 @@ class Supervisor:
             owner.release()
 
     def _installed(self) -> int:
-        restore = self._install()
+        restore = self.inbox.install(restore_signals=self.restore_signals)
         try:
             return self._run()
         finally:
@@ -253,17 +206,10 @@ class Supervisor:
         for stale in (PREEMPT_REQUEST, CANCEL_REQUEST):  # left by a dead supervisor
             self.rundir.take_request(stale)
         b = self.budgets.load()
-        self.state = sm.State(
-            policy=self.state.policy,
-            attempt=max(
-                launch.prior_attempts(self.rundir, self.storage),
-                self.runstate.record.attempts if self.runstate else 0,
-            ),
-            preemptions=b.preemptions,
-            failures=b.failures,
-            no_progress=b.no_progress,
-            streak=b.streak,
-        )
+        started = launch.prior_attempts(self.rundir, self.storage)
+        if self.runstate is not None:  # the run's record in storage may know more
+            started = max(started, self.runstate.record.attempts)
+        self.state = resumed_state(self.state.policy, started, b)
         self.events.attempt = self.state.attempt
         job = self.job
         self.events.append(
@@ -290,70 +236,33 @@ class Supervisor:
                     break
                 self._round()
         finally:
-            self._abandon()
-            for src in self.sources:
-                src.close()
+            if self.state.exit_code is None:  # an unexpected exit: do not leave it running
+                self.kid.abandon(self.inbox.wake_fd)
+            self.intake.close()
         code = int(self.state.exit_code or 0)
         self.events.append("supervisor_exit", exit_code=code, state=self.state.phase.value)
         return code
 
     def _round(self) -> None:
-        self.clock.wait(self._wake_r, self.tick_s)
-        try:
-            while os.read(self._wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
+        self.clock.wait(self.inbox.wake_fd, self.tick_s)
         now = self.clock.monotonic()
-        while self._signals:
-            self._on_signal(self._signals.popleft(), now)
-        self._requests(now)
-        self._peer_notice(now)
-        for src in self.sources:
-            n = src.poll()
-            if n is not None:  # a cloud/scheduler notice means this machine goes away
-                lead = getattr(src, "lead_s", None)
-                self._queue.append(self._notice_event(n, now, lead, self_term=n.kind != DRILL))
+        intake, queue = self.intake, self._queue
+        for sig in self.inbox.take():
+            ev = intake.from_signal(sig, now)
+            if ev is not None:
+                queue.append(ev)
+        queue.extend(intake.requests(now))
+        queue.extend(intake.peer_notice(now))
+        queue.extend(intake.poll(now))
         self._reap(now)
-        if self.owner is not None and self.owner.lost is not None and not self._lost_sent:
-            self._queue.append(self._lease_lost(self.owner.lost, now))
-        self._poll_own_checkpoint(now)
-        self._queue.append(sm.Tick(self.clock.monotonic()))
-
-    def _poll_own_checkpoint(self, now: float) -> None:
-        """Own-checkpoint mode: commit a finished new version of the script's files."""
-        w, c = self.watched, self.child
-        if w is None or c is None or c.status is not None:
-            return
-        try:
-            step = w.poll(self.procs.members(c))
-        except CkrunError as e:  # the last committed version stands; retried next round
-            self.say(f"warning: own checkpoint not committed: {e}")
-            return
-        if step is not None:
-            self.events.append("own_checkpoint", step=step, message="new version committed")
-            if w.drill_due():
-                n = Notice.with_lead(DRILL, "check-resume", self.cfg.grace_s)
-                self._queue.append(self._notice_event(n, now))
-
-    def _own_checkpoint_exit(self, status: int) -> None:
-        """Own-checkpoint mode: commit the last trustworthy version, say what was lost."""
-        w = self.watched
-        assert w is not None
-        try:
-            w.after_exit(status, self.state.notice_at)
-        except CkrunError as e:
-            self.say(f"warning: own checkpoint not committed: {e}")
-        lost = w.lost_report(status, self.state.notice_at)
-        if lost:
-            self.say(lost)
-
-    def _lease_lost(self, why: str, now: float) -> sm.NoticeEvent:
-        """The heartbeat found the lease taken over: tell the child, stop (exit 2)."""
-        self._lost_sent = True
-        self.say(why)
-        n = Notice.with_lead(TERMINATION, "lease:lost", self.cfg.grace_s, {"reason": why})
-        return self._notice_event(n, now, lease_lost=True)
+        if self.owner is not None and self.owner.lost is not None and not intake.lost_sent:
+            queue.append(intake.lease_lost(self.owner.lost, now))
+        w, c = self.watched, self.kid.current
+        if w is not None and c is not None and c.status is None:  # own-checkpoint mode
+            members = self.procs.members(c)
+            if own_checkpoint.commit_new_version(w, members, self.say, self._append):
+                queue.append(intake.drill("check-resume", now))
+        queue.append(sm.Tick(self.clock.monotonic()))
 
     def _feed(self, ev: sm.Event) -> None:
         self.state, actions = sm.step(self.state, ev)
@@ -362,103 +271,24 @@ class Supervisor:
             if follow is not None:
                 self._queue.append(follow)
 
-    # ------------------------------------------------------------ inputs
-    def _notice_event(
-        self, n: Notice, now: float, window_s: float | None = None, **kw: Any
-    ) -> sm.NoticeEvent:
-        """The notice's deadline on the monotonic clock at detection (issue 11 item 5):
-        the stated time is believed only within the provider's window
-        (:func:`ckrun.notices.believed_lead`); otherwise the window from detection."""
-        from ckrun.notices import believed_lead
-
-        lead, skew = believed_lead(n, window_s)
-        if skew:
-            self.say(skew)
-            self.events.append("notice_skew", message=skew, source=n.source)
-        self._last_notice = n
-        return sm.NoticeEvent(n.kind, n.source, now + lead, now, **kw)
-
-    def _on_signal(self, sig: int, now: float) -> None:
-        name = signal.Signals(sig).name
-        if sig == signal.SIGTERM:
-            n = Notice.with_lead(TERMINATION, f"signal:{name}", self.cfg.grace_s)
-            self._queue.append(self._notice_event(n, now, self_term=True))
-        elif sig == self.notice_sig:
-            # Slurm's --signal lead time warns of the time limit, not of a preemption
-            kind = (
-                TIME_LIMIT if self.job is not None and self.job.backend == "slurm" else PREEMPTION
-            )
-            n = Notice.with_lead(kind, f"signal:{name}", self.cfg.grace_s)
-            self._queue.append(self._notice_event(n, now))
-        elif sig == signal.SIGINT:
-            self._queue.append(sm.Interrupt(now))
-        elif sig in _FORWARD:
-            self._queue.append(sm.Forward(sig, now))
-
-    def _requests(self, now: float) -> None:
-        req = self.rundir.take_request(PREEMPT_REQUEST)
-        if req is not None:
-            lead = float(req.get("lead_s") or self.cfg.grace_s)
-            n = Notice.with_lead(DRILL, "cli:preempt", lead, {"requested_by": req})
-            self._queue.append(self._notice_event(n, now))
-        req = self.rundir.take_request(CANCEL_REQUEST)
-        if req is not None:
-            n = Notice.with_lead(TERMINATION, "cli:cancel", self.cfg.grace_s)
-            self._queue.append(self._notice_event(n, now, cancel=True))
-
-    def _peer_notice(self, now: float) -> None:
-        """Drain on a peer notice.  Not ``self_term``: this machine stays; the scheduler
-        decides (Kubernetes, Slurm: requeued, exit 75; the local backend restarts here)."""
-        body = control.take_peer_notice(self.rundir.control_dir)
-        if body is not None:
-            n = Notice.with_lead(PREEMPTION, "peer:agreed-step", self.cfg.grace_s, body)
-            self._queue.append(self._notice_event(n, now))
-
+    # ------------------------------------------------------------ child
     def _reap(self, now: float) -> None:
-        reaped = self.procs.reap()
-        c = self.child
-        if c is None:
+        c = self.kid.reap(now)
+        if isinstance(c, sm.LeaderExited):
+            self._queue.append(c)
+        if not isinstance(c, process.Child) or c.status is None:
             return
-        if c.pid in reaped:
-            c.status, c.exited = reaped[c.pid], now
-        if c.status is None:
-            self.procs.track(c, now)
-            return
-        left = self.procs.members(c)
-        if left:
-            saving = bool(self._notified & set(left))
-            self._queue.append(sm.LeaderExited(c.status, now, saving))
-            return
-        self._peer_notice(now)  # a peer notice left before the end is judged first
-        self.child = None
-        from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
-
-        if self.watched is not None and c.status is not None:
-            self._own_checkpoint_exit(c.status)
-        step, save_s = newest(self.storage)
-        why = control.read_exit_reason(self.rundir.control_dir) or {}
-        self.events.append(
-            "attempt_end",
-            status=c.status,
-            seconds=now - c.started,
-            commits=attempt_commits(self.storage, self.events.attempt),
-            reason=why.get("reason"),
+        self._queue.extend(self.intake.peer_notice(now))  # judged before the end
+        if self.watched is not None:
+            own_checkpoint.commit_after_exit(self.watched, c.status, self.state.notice_at, self.say)
+        end = attempt.attempt_end(
+            c, c.status, self.storage, self.rundir, self.events, now, self.clock.monotonic
         )
-        self._queue.append(
-            sm.ChildExited(
-                c.status,
-                step,
-                is_complete(self.storage),
-                self.clock.monotonic(),
-                save_s,
-                reason=str(why["reason"]) if why.get("reason") else None,
-                detail=str(why.get("message") or ""),
-            )
-        )
+        self._queue.append(end)
 
     # ------------------------------------------------------------ actions
     def _execute(self, a: sm.Action) -> sm.Event | None:
-        c = self.child
+        kid = self.kid
         if isinstance(a, sm.Log):
             self._log(a)
         elif isinstance(a, sm.RunPreflight):
@@ -466,49 +296,33 @@ class Supervisor:
         elif isinstance(a, sm.Spawn):
             return self._spawn(a)
         elif isinstance(a, sm.WriteNotice):
-            n = self._last_notice
+            n = self.intake.last_notice
             detail = dict(n.detail) if n is not None and n.source == a.source else {}
             notice = Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
             self._try("write notice.json", control.write_notice, self.rundir.control_dir, notice)
-        elif isinstance(a, sm.Deliver) and c is not None:
-            self._delivered = (
-                self.procs.deliver(c, self.notice_sig)
-                if self.watched is None
-                else deliver_to_script(c, self.cfg.child_signal_number())
-            )
-            self._notified.update(self._delivered)
-            return sm.Delivered(len(self._delivered), self.clock.monotonic())
-        elif isinstance(a, sm.SignalGroup) and c is not None:
-            self.procs.signal_session(c, a.sig)
-        elif isinstance(a, sm.Escalate) and c is not None:
+        elif isinstance(a, sm.Deliver):
+            count = kid.deliver(self._notice_sig(), to_script=self.watched is not None)
+            return None if count is None else sm.Delivered(count, self.clock.monotonic())
+        elif isinstance(a, sm.SignalGroup):
+            kid.signal(a.sig)
+        elif isinstance(a, sm.Escalate) and kid.current is not None:
             self._try(
                 "write the escalation mark", control.write_escalation, self.rundir.control_dir
             )
-            self.procs.signal_session(c, signal.SIGTERM)
-        elif isinstance(a, sm.Kill) and c is not None:
-            self.procs.signal_session(c, signal.SIGKILL)
+            kid.signal(signal.SIGTERM)
+        elif isinstance(a, sm.Kill):
+            kid.signal(signal.SIGKILL)
         elif isinstance(a, sm.Persist):
             self._persist()
         elif isinstance(a, sm.Requeue):
-            return self._requeue()
+            return attempt.requeue(self.scheduler, self.job, self.clock.monotonic())
         return None
 
     def _persist(self) -> None:
-        s = self.state
-        b = RunBudgets(s.preemptions, s.failures, s.no_progress, s.streak)
         try:
-            self.budgets.save(b)
+            self.budgets.save(budgets_of(self.state))
         except OSError as e:  # full disk: keep supervising; the count stays in memory
             self.say(f"warning: cannot record the run's budgets ({e}); continuing")
-
-    def _own_checkpoint_command(self, attempt: int, command: tuple[str, ...]) -> tuple[str, ...]:
-        """Own-checkpoint mode: restore the newest verified version of the script's files
-        and append the resume arguments when there was one to restore."""
-        w = self.watched
-        if w is None or w.restore(attempt) is None:
-            return command
-        self.say(f"restored {', '.join(w.paths)} (version {w.last.step if w.last else '?'})")
-        return (*command, *self.cfg.resume_args)
 
     def _log(self, a: sm.Log) -> None:
         msg, fields = a.message, dict(a.fields)
@@ -516,14 +330,18 @@ class Supervisor:
             dl = utcnow() + dt.timedelta(seconds=float(fields["seconds_left"]))
             fields["deadline_utc"] = dl.isoformat(timespec="seconds").replace("+00:00", "Z")
             msg += f", deadline {dl:%H:%M:%S}Z"
-        if a.kind == "notice" and self._delivered is not None:
-            fields["signalled_pids"], self._delivered = self._delivered, None
-            sig = self.notice_sig if self.watched is None else self.cfg.child_signal_number()
-            msg += f", {sig.name} to {len(fields['signalled_pids'])} process(es)"
+        sent = self.kid.take_delivered() if a.kind == "notice" else None
+        if sent is not None:
+            fields["signalled_pids"] = sent
+            msg += f", {self._notice_sig().name} to {len(sent)} process(es)"
         self.say(msg)
         step = fields.pop("step", None)
         seconds = fields.pop("seconds", None)
         self.events.append(a.kind, step=step, seconds=seconds, message=msg, **fields)
+
+    def _notice_sig(self) -> Signals:
+        """The signal the child gets as the notice (an own-checkpoint script's own)."""
+        return self.notice_sig if self.watched is None else self.cfg.child_signal_number()
 
     def _preflight(self) -> sm.Event:
         from ckrun.supervisor.preflight import preflight
@@ -531,7 +349,7 @@ class Supervisor:
         if self.owner is not None:
             lost = self.owner.check()  # renew now: never start a child without the lease
             if lost is not None:
-                return self._lease_lost(lost, self.clock.monotonic())
+                return self.intake.lease_lost(lost, self.clock.monotonic())
         rep = preflight(self.cfg, self.rundir, self.storage)
         for w in rep.warnings:
             self.say("warning: " + w)
@@ -545,13 +363,10 @@ class Supervisor:
             self.say(f"warning: cannot {what} ({e}); continuing")
 
     def _child_env(self, attempt: int, resume_step: int | None) -> dict[str, str]:
-        env = launch.child_env(self.cfg, self.rundir, attempt, resume_step)
-        env.pop("CKRUN_LEASE_EPOCH", None)
-        if self.owner is not None and self.owner.epoch is not None:
-            env["CKRUN_LEASE_EPOCH"] = str(self.owner.epoch)  # fences the child's commits
+        epoch = self.owner.epoch if self.owner is not None else None
         if self.runstate is not None:
             self.runstate.update(attempts=attempt + 1)
-        return env
+        return launch.child_env(self.cfg, self.rundir, attempt, resume_step, epoch)
 
     def _hold(self, attempt: int) -> None:
         if self.lock is not None:
@@ -561,43 +376,24 @@ class Supervisor:
         self._try("clear control/", control.clear, self.rundir.control_dir)
         control.reserve_exit_reason(self.rundir.control_dir)
         self.events.attempt = a.attempt
-        self._notified = set()
         self._try("update the lock holder", self._hold, a.attempt)
         try:
-            self.child = self.procs.spawn(
-                self._own_checkpoint_command(a.attempt, launch.command(self.cfg, self.job)),
+            command = own_checkpoint.restore_command(
+                self.watched,
+                a.attempt,
+                launch.command(self.cfg, self.job),
+                self.cfg.resume_args,
+                self.say,
+            )
+            child = self.kid.start(
+                command,
                 self._child_env(a.attempt, a.resume_step),
                 track_tree=self.cfg.nproc_per_node * self.cfg.nnodes > 1,
             )
         except (OSError, CkrunError) as e:
             return sm.SpawnFailed(str(e), self.clock.monotonic())
-        for src in self.sources:
-            hook = getattr(src, "attempt_started", None)
-            if hook is not None:
-                hook(control_dir=self.rundir.control_dir)
-        self.events.append("spawn", pid=self.child.pid, command=list(self.cfg.command))
+        self.intake.attempt_started()
+        self.events.append("spawn", pid=child.pid, command=list(self.cfg.command))
         if self.watched is not None:  # an unmodified script never reports its first step:
-            mark_started(self.rundir.control_dir, self.child.pid)  # training counts from spawn
+            mark_started(self.rundir.control_dir, child.pid)  # training counts from spawn
         return None
-
-    def _requeue(self) -> sm.Event:
-        now = self.clock.monotonic()
-        if self.job is None:
-            return sm.Requeued(sm.RequeueResult.FAILED, "not inside a job of this scheduler", now)
-        try:
-            out = self.scheduler.requeue(self.job)
-        except CkrunError as e:
-            return sm.Requeued(sm.RequeueResult.FAILED, str(e), now)
-        restart = out == RequeueOutcome.RESTART_HERE
-        return sm.Requeued(
-            sm.RequeueResult.RESTART_HERE if restart else sm.RequeueResult.REQUEUED, "", now
-        )
-
-    def _abandon(self) -> None:
-        """On an unexpected exit of the loop, do not leave the child running."""
-        c = self.child
-        if c is not None and c.status is None and self.state.exit_code is None:
-            self.procs.signal_session(c, signal.SIGKILL)
-            deadline = self.clock.monotonic() + 5
-            while self.clock.monotonic() < deadline and c.pid not in self.procs.reap():
-                self.clock.wait(self._wake_r, 0.01)

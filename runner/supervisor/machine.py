@@ -12,11 +12,10 @@ Phases::
     PREFLIGHT → RUNNING → DRAINING → STOPPING → COMPLETED | ALREADY_COMPLETE |
     INCOMPATIBLE | FAILED | PREEMPTED | REQUEUE_FAILED | CANCELLED
 
-* A notice: TERM at ``term_at`` and KILL at ``kill_at``, both inside ``grace_s``
-  (:meth:`Policy.escalation`).  When no process of the child's tree catches the notice
-  signal (:class:`Delivered` with count 0) the notice is delivered as SIGTERM at once.
-* ``STOPPING`` + KILL *stays* in ``STOPPING`` until the child is reaped; the
-  ``PREEMPTED`` step then has the real exit status and the storage check.
+* A notice, Ctrl-C, a forwarded signal and the notice's delivery:
+  :mod:`ckrun.supervisor.drain`.  The timers (escalation TERM/KILL inside ``grace_s``,
+  strays, back-off, requeue delay): :mod:`ckrun.supervisor.timers`.  How an attempt ends
+  (exit statuses, requeue outcomes, budgets): :mod:`ckrun.supervisor.outcomes`.
 * ``PREEMPTED`` waits for the :class:`Requeued` outcome of the scheduler: restart here
   (local backend → ``PREFLIGHT`` of the next attempt), requeued (exit 75/76) or failed
   (``REQUEUE_FAILED``, exit 6).  A SIGTERM aimed at the supervisor itself is never
@@ -25,15 +24,10 @@ Phases::
   (its commit is refused by fencing), then ``LEASE_LOST``, exit 2, no requeue.  One
   notice, one requeue: notices while the requeue is pending, during back-off or during
   preflight never count twice.
-* Strays: once the command's own process has exited, what is left of its session gets
-  TERM ``stray_s`` later and KILL ``stray_s`` after that (unless a notified process is
-  still saving; then the notice deadline applies).
 * Exit statuses 3, 4, 5 are ckrun's only with the library's exit-reason record
   (:class:`ChildExited` ``reason``); a status 0 is a completion unless the record says
   the process stopped for a notice (a script that never acknowledged a notice and
   finished has completed).
-* Ctrl-C (:class:`Interrupt`): the first is a save-and-stop notice (CANCELLED, exit 130);
-  a second within ``interrupt_window_s`` KILLs the child's session at once.
 
 Restart policy (DESIGN.md §3): preemptions count against ``max_requeues``; failures of
 the user's command against ``max_failures``; ``crash_loop_failures`` consecutive failures
@@ -44,10 +38,8 @@ the back-off ``min(backoff_max_s, backoff_s * 2**(n-1))`` before the n-th next s
 
 from __future__ import annotations
 
-import signal
-from typing import Any
-
 from ckrun.errors import ExitCode
+from ckrun.supervisor.drain import on_delivered, on_forward, on_interrupt, on_notice
 from ckrun.supervisor.messages import (  # re-exported: the machine's vocabulary
     Action,
     ChildExited,
@@ -87,6 +79,7 @@ from ckrun.supervisor.outcomes import (
     update,
 )
 from ckrun.supervisor.state import TERMINAL, Phase, Policy, State
+from ckrun.supervisor.timers import on_leader_exited, on_tick
 
 __all__ = [
     "INTERRUPTED",
@@ -158,17 +151,17 @@ def _dispatch(s: State, ev: Event) -> Result:
             f"cannot start the command: {ev.error}; fix the command line",
         )
     if isinstance(ev, NoticeEvent):
-        return _notice(s, ev)
+        return on_notice(s, ev)
     if isinstance(ev, Interrupt):
-        return _interrupt(s, ev)
+        return on_interrupt(s, ev)
     if isinstance(ev, Forward):
-        return _forward(s, ev)
+        return on_forward(s, ev)
     if isinstance(ev, Tick):
-        return _tick(s, ev)
+        return on_tick(s, ev)
     if isinstance(ev, Delivered):
-        return _delivered(s, ev)
+        return on_delivered(s, ev)
     if isinstance(ev, LeaderExited):
-        return _leader_exited(s, ev)
+        return on_leader_exited(s, ev)
     if isinstance(ev, ChildExited):
         return exited(s, ev)
     return requeued(s, ev)
@@ -243,173 +236,3 @@ def _preflighted(s: State, ev: Preflighted) -> Result:
         Spawn(attempt, ev.step),
         Log("attempt_start", f"started, {where}", {"step": ev.step}),
     ]
-
-
-def _notice(s: State, ev: NoticeEvent) -> Result:
-    s = update(
-        s,
-        cancel=s.cancel or ev.cancel,
-        self_term=s.self_term or ev.self_term or ev.lease_lost,
-        lease_lost=s.lease_lost or ev.lease_lost,
-    )
-    what = f"notice {ev.source} ({ev.kind})"
-    fields: dict[str, Any] = {"source": ev.source, "notice_kind": ev.kind}
-    if s.phase in (Phase.DRAINING, Phase.STOPPING):
-        if s.phase is Phase.DRAINING and s.deadline is not None and ev.deadline < s.deadline:
-            s = update(s, deadline=max(ev.now, ev.deadline))
-            return s, [Log("notice", f"{what} while draining; deadline moved earlier", fields)]
-        return s, [Log("notice", f"{what} while draining; keeping the earlier deadline", fields)]
-    if s.phase is Phase.RUNNING and s.child:
-        dl = min(ev.deadline, ev.now + s.policy.grace_s)
-        s = update(
-            s,
-            phase=Phase.DRAINING,
-            notice_kind=ev.kind,
-            notice_source=ev.source,
-            notice_at=ev.now,
-            deadline=dl,
-        )
-        fields["seconds_left"] = round(dl - ev.now, 3)
-        return s, [
-            WriteNotice(ev.kind, ev.source, dl - ev.now),
-            Deliver(),
-            Log("notice", what, fields),
-        ]
-    if s.phase is Phase.PREFLIGHT:
-        return update(s, notice_pending=True), [
-            Log("notice", f"{what} during preflight: the command will not start", fields)
-        ]
-    if s.phase is Phase.PREEMPTED:  # the requeue is already on its way (or backing off)
-        return s, [Log("notice", f"{what} while requeueing: already counted", fields)]
-    # No child (back-off between failures): nothing to drain; one preemption.
-    s = update(
-        s,
-        notice_kind=ev.kind,
-        notice_source=ev.source,
-        notice_at=ev.now,
-        preemptions=s.preemptions + 1,
-    )
-    return preempted(s, False, ev.now, [Log("notice", what + " with no child running", fields)])
-
-
-def _interrupt(s: State, ev: Interrupt) -> Result:
-    window = s.policy.interrupt_window_s
-    if s.ctrl_c and s.interrupt_at is not None and ev.now - s.interrupt_at <= window:
-        if s.child:
-            return update(s, phase=Phase.STOPPING, killed=True, kill_at=ev.now), [
-                Kill(),
-                Log("kill", "second Ctrl-C: sent KILL to the child's session"),
-            ]
-        return s, []
-    s = update(s, ctrl_c=True, interrupt_at=ev.now)
-    if s.phase in (Phase.DRAINING, Phase.STOPPING):
-        return update(s, cancel=True), [
-            Log("notice", "Ctrl-C while draining: stopping after the save (Ctrl-C again: now)")
-        ]
-    if s.phase is Phase.RUNNING and not s.child:  # back-off: nothing to save
-        return stop(s, Phase.CANCELLED, INTERRUPTED, "cancelled", "interrupted (Ctrl-C)")
-    if s.phase is Phase.PREEMPTED:
-        return stop(
-            s, Phase.CANCELLED, INTERRUPTED, "cancelled", "interrupted (Ctrl-C) while requeueing"
-        )
-    if s.phase is Phase.PREFLIGHT:
-        return s, []  # _preflighted stops
-    s, acts = _notice(
-        s, NoticeEvent("termination", "signal:SIGINT", ev.now + s.policy.grace_s, ev.now)
-    )
-    return update(s, cancel=True), [
-        *acts,
-        Log(
-            "interrupt",
-            f"Ctrl-C: saving, then stopping (Ctrl-C again within {window:g} s: stop at once)",
-        ),
-    ]
-
-
-def _forward(s: State, ev: Forward) -> Result:
-    name = signal.Signals(ev.sig).name
-    if s.child:
-        return update(s, interrupted=ev.sig), [
-            SignalGroup(ev.sig),
-            Log("forward", f"forwarded {name} to the child", {"signal": name}),
-        ]
-    return stop(
-        s,
-        Phase.FAILED,
-        ExitCode.CHILD_FAILED,
-        "failed",
-        f"stopped by {name} while no child was running",
-    )
-
-
-def _delivered(s: State, ev: Delivered) -> Result:
-    if ev.count or s.phase is not Phase.DRAINING or not s.child:
-        return s, []
-    return s, [
-        SignalGroup(signal.SIGTERM),
-        Log(
-            "deliver_term",
-            "no process of the command catches the notice signal: delivered the notice as SIGTERM",
-        ),
-    ]
-
-
-def _leader_exited(s: State, ev: LeaderExited) -> Result:
-    if not s.child:
-        return s, []
-    acts: list[Action] = []
-    if s.leader_status is None:
-        s = update(s, leader_status=ev.status)
-        acts.append(
-            Log(
-                "strays",
-                f"command exited ({ev.status}) but its session has processes left; "
-                f"TERM in {s.policy.stray_s:g} s unless they exit",
-                {"status": ev.status},
-            )
-        )
-    if not ev.saving and s.strays_term_at is None:
-        s = update(s, strays_term_at=ev.now + s.policy.stray_s)
-    return s, acts
-
-
-def _tick(s: State, ev: Tick) -> Result:
-    p = s.policy
-    now = ev.now
-    if s.phase is Phase.RUNNING and not s.child and s.respawn_at is not None:
-        if now >= s.respawn_at:
-            return update(s, phase=Phase.PREFLIGHT, respawn_at=None), [RunPreflight()]
-        return s, []
-    if s.phase is Phase.PREEMPTED and s.requeue_at is not None:
-        if now >= s.requeue_at:
-            return update(s, requeue_at=None), [Requeue()]
-        return s, []
-    if s.child and s.strays_term_at is not None and not s.killed:
-        if s.strays_kill_at is not None and now >= s.strays_kill_at:
-            return update(s, killed=True), [Kill(), Log("kill", "strays still alive: sent KILL")]
-        if s.strays_kill_at is None and now >= s.strays_term_at:
-            return update(s, strays_kill_at=now + p.stray_s), [
-                SignalGroup(signal.SIGTERM),
-                Log("strays_term", "sent TERM to the processes left in the command's session"),
-            ]
-    if s.phase is Phase.DRAINING and s.deadline is not None:
-        term_at, kill_at = p.escalation(s.notice_at if s.notice_at is not None else now, s.deadline)
-        if now >= term_at:
-            s = update(s, phase=Phase.STOPPING, kill_at=kill_at)
-            waited = now - (s.notice_at or now)
-            return s, [
-                Escalate(),
-                Log(
-                    "escalate",
-                    f"no exit {waited:.1f} s after the notice: sent TERM to the child's "
-                    f"group; KILL in {kill_at - now:.1f} s",
-                    {"seconds": round(waited, 3)},
-                ),
-            ]
-    elif s.phase is Phase.STOPPING and not s.killed and s.kill_at is not None:
-        if now >= s.kill_at:
-            return update(s, killed=True), [
-                Kill(),
-                Log("kill", "still alive at the deadline minus the margin: sent KILL"),
-            ]
-    return s, []

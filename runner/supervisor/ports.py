@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from ckrun import procs
 from ckrun.supervisor import process
 from ckrun.supervisor.process import Child
 
@@ -85,8 +86,8 @@ class OsProcessTable:
         return process.spawn(argv, env, track_tree=track_tree)
 
     def become_subreaper(self) -> bool:
-        """:func:`ckrun.supervisor.process.become_subreaper`."""
-        return process.become_subreaper()
+        """:func:`ckrun.procs.become_subreaper`."""
+        return procs.become_subreaper()
 
     def reap(self) -> dict[int, int]:
         """:func:`ckrun.supervisor.process.reap`."""

@@ -3,7 +3,8 @@
 * :func:`spawn` starts the command in its own session (``setsid``: the child is leader of
   a new session and process group whose id is its pid), with default signal dispositions
   and an empty signal mask, so terminal signals reach only the supervisor, which decides;
-  ``PR_SET_PDEATHSIG`` makes it follow a supervisor that dies.
+  ``PR_SET_PDEATHSIG`` makes it follow a supervisor that dies (the mechanism is
+  :func:`ckrun.procs.spawn_session`, shared with the local backend's detached start).
 * :func:`deliver` sends the notice signal to every process of the child's session that
   *catches* it (``SigCgt`` in ``/proc/PID/status``): the training process gets it even
   when it is a grandchild (``bash -c 'python train.py; ...'``) while a shell wrapper or a
@@ -14,7 +15,7 @@
 * :func:`signal_session` sends TERM / KILL to the child's process group and any other
   process left in its session, once per process.
 * :func:`reap` collects every exited child with ``waitpid(-1, WNOHANG)``; the supervisor
-  alone waits.  In subreaper mode (:func:`become_subreaper`, ``prctl(2)``
+  alone waits.  In subreaper mode (:func:`ckrun.procs.become_subreaper`, ``prctl(2)``
   ``PR_SET_CHILD_SUBREAPER``) and as PID 1 orphaned descendants are re-parented to the
   supervisor and reaped here too, so no zombie outlives an attempt.
 
@@ -24,36 +25,13 @@ death by signal ``N`` (``os.waitstatus_to_exitcode`` gives ``-N``).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import signal
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
-PR_SET_PDEATHSIG = 1
-
-#: Signals reset to their default action in the child (Python ignores SIGPIPE and
-#: SIGXFSZ; the supervisor handles the rest).
-_RESET_SIGNALS = tuple(
-    getattr(signal, n)
-    for n in (
-        "SIGPIPE",
-        "SIGXFSZ",
-        "SIGTERM",
-        "SIGINT",
-        "SIGHUP",
-        "SIGQUIT",
-        "SIGUSR1",
-        "SIGUSR2",
-        "SIGCHLD",
-        "SIGALRM",
-    )
-    if hasattr(signal, n)
-)
+from ckrun import procs
 
 
 @dataclass
@@ -94,11 +72,10 @@ def spawn(
 ) -> Child:
     """Start ``argv`` in a new session with environment ``env``.
 
-    ``fork`` + ``execvpe`` (not ``posix_spawn``) so the child can set
-    ``PR_SET_PDEATHSIG`` before the exec: when the supervisor dies (SIGKILL, the OOM
-    killer) the child gets ``death_signal`` (SIGTERM: the library saves and stops; a
-    plain script stops) instead of running on as an orphan.  The exec failure comes back
-    through a close-on-exec pipe, so a missing command raises here, in the parent.
+    :func:`ckrun.procs.spawn_session` with ``PR_SET_PDEATHSIG`` set before the exec: when
+    the supervisor dies (SIGKILL, the OOM killer) the child gets ``death_signal``
+    (SIGTERM: the library saves and stops; a plain script stops) instead of running on
+    as an orphan.  A missing command raises here, in the parent.
 
     Args:
         argv: the command; ``argv[0]`` is looked up on ``PATH`` of ``env``.
@@ -113,56 +90,10 @@ def spawn(
         OSError: the command cannot be executed (``ENOENT``, ``EACCES``); the message
             names the command.
     """
-    argv = list(argv)
-    env = dict(env)
-    parent = os.getpid()
-    r, w = os.pipe()  # both close-on-exec (PEP 446)
-    with warnings.catch_warnings():  # 3.12+ warns about fork() with threads; we exec at once
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child, replaced by the exec
-        code = 0
-        try:
-            os.close(r)
-            os.setsid()
-            if death_signal:
-                _prctl(PR_SET_PDEATHSIG, int(death_signal))
-                if os.getppid() != parent:  # the supervisor died before the prctl
-                    os._exit(128 + int(death_signal))
-            for sig in _RESET_SIGNALS:
-                signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_SETMASK, [])
-            if output_fd is not None:
-                os.dup2(output_fd, 1)
-                os.dup2(output_fd, 2)
-            os.execvpe(argv[0], argv, env)
-        except OSError as e:
-            code = e.errno or 1
-        except BaseException:
-            code = 1
-        try:
-            os.write(w, str(code).encode())
-        finally:
-            os._exit(127)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        failed = f.read()
-    if failed:
-        os.waitpid(pid, 0)
-        err = int(failed or b"1")
-        raise OSError(err, f"cannot run {argv[0]!r}: {os.strerror(err)}")
+    pid = procs.spawn_session(argv, env, output_fd=output_fd, death_signal=death_signal)
     return Child(
         pid=pid, argv=tuple(argv), started=time.monotonic(), sids=set() if track_tree else None
     )
-
-
-def _prctl(option: int, arg: int) -> bool:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
 
 
 def exit_status(wait_status: int) -> int:
@@ -295,34 +226,3 @@ def session_alive(child: Child) -> bool:
         return False
     except PermissionError:
         return True
-
-
-def become_subreaper() -> bool:
-    """Make this process the reaper of its orphaned descendants (Linux ≥ 3.4).
-
-    Returns:
-        True when set (or when this process is PID 1, which reaps orphans anyway);
-        False on other systems.
-    """
-    if os.getpid() == 1:
-        return True
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        rc = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        return False
-    return bool(rc == 0)
-
-
-def is_subreaper() -> bool:
-    """True when ``PR_GET_CHILD_SUBREAPER`` (37) reports this process is a subreaper."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        out = ctypes.c_int(0)
-        if libc.prctl(37, ctypes.byref(out), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    return bool(out.value)

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckrun.config import RunConfig
 
 
 class Phase(str, enum.Enum):
@@ -109,6 +113,22 @@ class Policy:
         """Delay before the restart after the ``n``-th failure or no-progress preemption:
         ``min(backoff_max_s, backoff_s * 2**(n-1))`` seconds."""
         return float(min(self.backoff_max_s, self.backoff_s * 2 ** max(0, n - 1)))
+
+
+def policy_of(cfg: RunConfig) -> Policy:
+    """The machine's :class:`Policy` from a run's config."""
+    return Policy(
+        max_requeues=cfg.max_requeues,
+        max_failures=cfg.max_failures,
+        crash_loop_failures=cfg.crash_loop_failures,
+        grace_s=cfg.grace_s,
+        margin_s=cfg.margin_s,
+        kill_delay_s=cfg.kill_delay_s,
+        backoff_s=cfg.backoff_s,
+        backoff_max_s=cfg.backoff_max_s,
+        stray_s=cfg.stray_s,
+        no_progress_preemptions=cfg.no_progress_preemptions,
+    )
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,20 @@ CHILD = str(Path(__file__).with_name("child_train.py"))
 FAST_ENV = {"CKRUN_BACKOFF_S": "0.1", "CKRUN_KILL_DELAY_S": "1", "CKRUN_MARGIN_S": "0.5"}
 
 
+def gone(pid: int, timeout_s: float) -> bool:
+    """True once ``pid`` no longer runs (gone, or a zombie) within ``timeout_s`` seconds."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def expected_w(steps: int) -> float:
     """``sum(w)`` of child_train.py after ``steps`` steps (4 equal entries)."""
     w = 0.0

@@ -16,21 +16,9 @@ import pytest
 from ckrun import control
 from ckrun.notices import PREEMPTION, Notice, believed_lead
 from ckrun.supervisor import process
+from sv_helpers import gone
 
 PY = sys.executable
-
-
-def gone(pid: int, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 # ------------------------------------------------------------------- item 2

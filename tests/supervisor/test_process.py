@@ -103,15 +103,16 @@ def test_deliver_spares_processes_without_a_handler() -> None:
 
 SUBREAPER = textwrap.dedent("""
     import json, os, sys, time
+    from ckrun import procs
     from ckrun.supervisor import process
-    ok = process.become_subreaper()
+    ok = procs.become_subreaper()
     c = process.spawn(["sh", "-c", "sleep 0.3 & sleep 0.3 & exit 0"], os.environ)
     reaped = {}
     end = time.monotonic() + 10
     while len(reaped) < 3 and time.monotonic() < end:
         reaped.update(process.reap())
         time.sleep(0.01)
-    print(json.dumps({"ok": ok, "sub": process.is_subreaper(), "child": c.pid,
+    print(json.dumps({"ok": ok, "sub": procs.is_subreaper(), "child": c.pid,
                       "reaped": reaped, "alive": process.session_alive(c)}))
 """)
 
