@@ -57,6 +57,7 @@ from ckrun.supervisor import attempt, launch, own_checkpoint, process
 from ckrun.supervisor import machine as sm
 from ckrun.supervisor.budgets import BudgetStore, RunDirBudgets, budgets_of, resumed_state
 from ckrun.supervisor.child import AttemptChild
+from ckrun.supervisor.console import Console
 from ckrun.supervisor.intake import NoticeIntake
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.ownership import Ownership
@@ -112,7 +113,7 @@ class Supervisor:
         self.budgets: BudgetStore = budgets or RunDirBudgets(rundir.root)
         self._own_budgets = budgets is None
         self.restore_signals = restore_signals
-        self.out = out or sys.stderr
+        self.out = Console(out or sys.stderr)
         self.notice_sig = cfg.signal_number()
         self.events = EventLog(rundir.events_path, cfg.run, fallback=self.out)
         self.kid = AttemptChild(self.procs, self.clock)
@@ -126,6 +127,7 @@ class Supervisor:
         self.state = sm.State(policy=policy_of(cfg))
         self.owner: Ownership | None = None
         self.runstate: RunState | None = None
+        self._console_noted = False
 
     # ------------------------------------------------------------ plumbing
     @property
@@ -146,11 +148,12 @@ class Supervisor:
 
     def say(self, message: str) -> None:
         """Print one ``[ckrun]`` line."""
-        print(
-            f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}",
-            file=self.out,
-            flush=True,
-        )
+        line = f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}"
+        print(line, file=self.out, flush=True)
+        lost = self.out.lost
+        if lost is not None and not self._console_noted:  # once: the run goes on
+            self._console_noted = True
+            self.events.append("console_lost", message=f"console gone ({lost}); at: {message}")
 
     def _append(self, kind: str, **fields: Any) -> None:
         self.events.append(kind, **fields)
