@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 
 import crc32c
-from ckrun.checkpoint import layout, retention
-from ckrun.checkpoint.discovery import scan
+from ckrun.checkpoint import retention
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
 from ckrun.errors import CorruptCheckpoint, StorageError
 from ckrun.storage.base import Storage
@@ -68,17 +67,9 @@ def retain_remote(
     """Retention on the remote tier after ``m``'s remote commit: never ``m`` nor the
     checkpoint it resumed from; a storage failure is logged (the next upload retries)."""
     try:
-        sc = scan(remote)
-        broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
-        protect = {m.step} | ({m.resumed_from} if m.resumed_from is not None else set())
-        plan = retention.plan(
-            remote,
-            sc.manifests,
-            keep_last=keep_last,
-            milestone_every=milestone_every,
-            protect=protect,
-            broken_steps=broken,
+        resumed = () if m.resumed_from is None else (m.resumed_from,)
+        retention.retain_after(
+            remote, m, keep_last=keep_last, milestone_every=milestone_every, protect=resumed
         )
-        retention.apply(remote, plan)
     except StorageError as e:
         log.warning("remote retention after step %d failed (retried next time): %s", m.step, e)
