@@ -162,7 +162,7 @@ def retain_after(
     """
     sc = scan(storage)
     broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
-    p = plan(
+    chosen = plan(
         storage,
         sc.manifests,
         keep_last=keep_last,
@@ -171,5 +171,5 @@ def retain_after(
         broken_steps=broken,
         attempt=attempt,
     )
-    apply(storage, p)
-    return p
+    apply(storage, chosen)
+    return chosen
