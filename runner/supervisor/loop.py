@@ -46,7 +46,7 @@ from collections.abc import Callable
 from signal import Signals
 from typing import IO, Any
 
-from ckrun import control
+from ckrun import control_files
 from ckrun.config import RunConfig
 from ckrun.errors import CkrunError
 from ckrun.notices import Notice, NoticeSource, utcnow
@@ -296,7 +296,9 @@ class Supervisor:
             n = self.intake.last_notice
             detail = dict(n.detail) if n is not None and n.source == a.source else {}
             notice = Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
-            self._try("write notice.json", control.write_notice, self.rundir.control_dir, notice)
+            self._try(
+                "write notice.json", control_files.write_notice, self.rundir.control_dir, notice
+            )
         elif isinstance(a, sm.Deliver):
             count = kid.deliver(self._notice_sig(), to_script=self.watched is not None)
             return None if count is None else sm.Delivered(count, self.clock.monotonic())
@@ -304,7 +306,7 @@ class Supervisor:
             kid.signal(a.sig)
         elif isinstance(a, sm.Escalate) and kid.current is not None:
             self._try(
-                "write the escalation mark", control.write_escalation, self.rundir.control_dir
+                "write the escalation mark", control_files.write_escalation, self.rundir.control_dir
             )
             kid.signal(signal.SIGTERM)
         elif isinstance(a, sm.Kill):
@@ -370,8 +372,8 @@ class Supervisor:
             self.lock.update(attempt=attempt)
 
     def _spawn(self, a: sm.Spawn) -> sm.Event | None:
-        self._try("clear control/", control.clear, self.rundir.control_dir)
-        control.reserve_exit_reason(self.rundir.control_dir)
+        self._try("clear control/", control_files.clear, self.rundir.control_dir)
+        control_files.reserve_exit_reason(self.rundir.control_dir)
         self.events.attempt = a.attempt
         self._try("update the lock holder", self._hold, a.attempt)
         try:
