@@ -302,6 +302,12 @@ def main() -> int:
     )
     ap.add_argument("--repeats", type=int, default=None, help="rounds per figure (median)")
     ap.add_argument(
+        "--small-only",
+        action="store_true",
+        help="issue 19's small-save rows alone (1 MB and 40 MB states saved every few "
+        "steps), on the quiet and the throttled disk",
+    )
+    ap.add_argument(
         "--compute-s", type=float, default=3.0, help="seconds of matmul per compute-loop figure [3]"
     )
     a = ap.parse_args()
@@ -328,6 +334,8 @@ def main() -> int:
         os.environ.setdefault("CKRUN_CACHE_DIR", tempfile.mkdtemp(prefix="ckrun-bench-probe-"))
         out = {}
         reps = a.repeats or 2
+        if a.small_only:
+            return _small_only(a, reps)
         out["quiet"] = regimes.run(a.size_gib, a.dir, reps)
         print(regimes.table(out["quiet"], f"quiet disk: {a.dir}"), flush=True)
         if a.throttle_mbps > 0:
@@ -340,6 +348,26 @@ def main() -> int:
             print(
                 regimes.table(out["throttled"], f"throttled disk: {a.throttle_mbps:g} MB/s, {how}")
             )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def _small_only(a: argparse.Namespace, reps: int) -> int:
+    """``--small-only``: the small-save rows on the quiet and the throttled disk."""
+    import regimes
+    import throttle
+
+    out: dict[str, Any] = {"quiet": regimes.run_small(a.dir, reps)}
+    print(regimes.small_table(out["quiet"], f"quiet disk: {a.dir}"), flush=True)
+    if a.throttle_mbps > 0:
+        scratch = os.path.dirname(os.path.abspath(a.dir))
+        with throttle.throttled_dir(scratch, 1 << 30, a.throttle_mbps) as (d, how):
+            out["throttled"] = regimes.run_small(os.path.join(d, "b"), reps)
+            out["throttled"]["throttle"] = how
+        print()
+        print(regimes.small_table(out["throttled"], f"throttled disk: {a.throttle_mbps:g} MB/s"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ckrun
+import lazy_rows
 import torch
 from checkpoint import (
     RssPeak,
@@ -219,6 +220,7 @@ def saves(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
         samples.setdefault("memcpy into reused buffers", []).append(time.perf_counter() - t)
         for name, pair in (
             ("ckrun async_save", ck_async),
+            ("ckrun async_save (lazy)", lambda: lazy_rows.pause_pair(ck, state, next(step))),
             ("DCP async_save (reused stager)", lambda: dcp_async(stager)),
             ("DCP async_save", lambda: dcp_async(None)),
             ("ckrun save", lambda: (0.0, med(lambda: ck.save(next(step), state), 1))),
@@ -360,6 +362,7 @@ def run(size_gib: float, root: str, reps: int, min_s: float) -> dict[str, Any]:
     saves(state, root, reps, r)
     loads(state, root, reps, r)
     compute(state, root, r, min_s, reps)
+    lazy_rows.steps(state, root, reps, r)  # issue 19: the lazy snapshot's step rows
     shutil.rmtree(root, ignore_errors=True)
     return r
 
@@ -452,6 +455,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             )
             + " |"
         )
+    out += lazy_rows.table(rows)
     return "\n".join(out)
 
 

@@ -13,7 +13,9 @@ taken seconds apart on the same shared machine):
             (CKRUN_WRITER=direct, direct:4, writebehind) and as chosen by the probe
     loads : page cache dropped before each: sequential read of the ckrun shard into a
             reused 64 MiB buffer (the cold read), torch.load(weights_only) into the
-            model and optimizer, safetensors load_file, ckrun load (verified)
+            model and optimizer, safetensors load_file, ckrun load (verified; format-2
+            tensors read straight into the live model and optimizer tensors,
+            ckrun.checkpoint.inplace_load)
     small : 1 MB and 40 MB states saved ``SMALL_SAVES`` times with ``GAP_S`` of compute
             between saves (retention keep_last=3 deleting): median seconds of the save
             call, torch.save + fsync and ckrun save
@@ -238,6 +240,41 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
         out.setdefault(f"small {mb} MB: ckrun save", []).append(statistics.median(ts))
         _rm(f"{root}/small-ck")
         _rm(f"{root}/small.pt")
+
+
+def run_small(root: str, repeats: int) -> dict[str, Any]:
+    """Only the small-save rows (``--small-only``), ``repeats`` rounds on ``root``."""
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    raw: dict[str, list[float]] = {}
+    try:
+        for _ in range(repeats):
+            small_saves(root, raw)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "repeats": repeats,
+        "seconds": {k: statistics.median(v) for k, v in raw.items()},
+        "samples": raw,
+    }
+
+
+def small_table(r: dict[str, Any], regime: str) -> str:
+    """The small-save rows of one regime and their ratios to the target (≤ 1.0)."""
+    s = r["seconds"]
+    lines = [
+        f"### {regime}",
+        "",
+        f"torch {torch.__version__}, {SMALL_SAVES} saves per round with {GAP_S * 1e3:g} ms "
+        f"of compute between them, median per round, median of {r['repeats']} rounds",
+        "",
+        "| state | torch.save + fsync (s) | ckrun save (s) | ratio | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for mb in (1, 40):
+        t, c = s[f"small {mb} MB: torch.save + fsync"], s[f"small {mb} MB: ckrun save"]
+        lines.append(f"| {mb} MB | {t:.4f} | {c:.4f} | {c / t:.2f}× | ≤ 1.0 {_mark(c <= t)} |")
+    return "\n".join(lines)
 
 
 def run(size_gib: float, root: str, repeats: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ The public API (users' training scripts rely on these names)::
     ckpt.save(step, state); ckpt.finalize(step, state)
     ckrun.load_weights("runs/demo", model)                 # read-only, for evaluation
     handle = ckpt.async_save(step, state)   # returns after the host snapshot; ckpt.wait()
+    ckpt.async_save(step, state, lazy=True)  # copies during the next step (opt-in)
     ckpt = ckrun.Checkpointer(..., checkpoint_every="auto"); ckpt.should_save(step)
     if ckrun.preemption_requested(sync=True): ...   # sync: all ranks agree (MAX)
     ckrun.save({"model": model, **ckrun.live(globals(), "iter_num")}, "out/ckpt.pt")

@@ -113,6 +113,13 @@ class CorruptCheckpoint(CheckpointError):
         self.step = step
 
 
+class StateUnusable(CheckpointError):
+    """A load wrote a checkpoint's bytes into the live tensors in place, the checkpoint
+    then failed verification and no older one was restored over them: the state in
+    memory must not be trained on or saved (:mod:`ckrun.checkpoint.inplace_load`).  An
+    ordinary failure (exit 5): the supervisor restarts the process."""
+
+
 class IncompatibleCheckpoint(CheckpointError):
     """The checkpoint was made by a different experiment.
 

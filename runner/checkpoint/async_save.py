@@ -12,6 +12,11 @@ the buffers).  A checkpoint exists only once its manifest is written, so ``lates
 discovery and retention see an async save only after its background commit is durable;
 a process killed during the persist leaves the previous checkpoint.
 
+With ``lazy=True`` the call does not copy parameters and optimizer state: the worker
+thread copies them first, while the next step's forward and backward run, and a step
+pre-hook on each optimizer of the state copies what is left before ``step()`` writes
+(:mod:`ckrun.checkpoint.lazy_snapshot`; opt-in, eager under a notice).
+
 Errors of the worker surface on ``handle.result()``, else on the next save, ``wait()`` or
 ``close()`` (each failure is raised once).  At interpreter exit the in-flight save is
 finished before ``concurrent.futures`` shuts down (see :func:`_at_exit`); an unobserved
@@ -39,6 +44,7 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
+import dataclasses
 import logging
 import os
 import platform
@@ -53,6 +59,7 @@ from typing import Any
 
 from ckrun.checkpoint import pipeline
 from ckrun.checkpoint.host_buffers import HostBuffers
+from ckrun.checkpoint.lazy_snapshot import LazySnapshot
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
 from ckrun.checkpoint.sharding import Planned
@@ -139,6 +146,8 @@ class AsyncSaver:
             1, thread_name_prefix="ckrun-persist", initializer=lower_priority, initargs=(nice,)
         )
         self._inflight: AsyncSaveHandle | None = None
+        self._lazy: LazySnapshot | None = None  # the lazy copy of the save in flight
+        self._copier: ThreadPoolExecutor | None = None  # its thread (first lazy save)
         self._lock = threading.Lock()
         self.last_stall_s: float | None = None
         self.last_durable_s: float | None = None  # async_save call -> commit
@@ -149,9 +158,17 @@ class AsyncSaver:
     # -- the save -------------------------------------------------------------------
 
     def save(
-        self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None,
+        *,
+        lazy: bool = False,
     ) -> SaveHandle:
         """Snapshot now, persist in the background; see ``Checkpointer.async_save``.
+
+        ``lazy``: copy parameters and optimizer state during the next step instead
+        (:mod:`ckrun.checkpoint.lazy_snapshot`); eager anyway while a notice is pending.
 
         Returns:
             An :class:`AsyncSaveHandle`, or a completed handle when this process already
@@ -170,10 +187,22 @@ class AsyncSaver:
             if last is not None:
                 return SaveHandle.completed(last)
             compat = self._compat_block(state)
-            snap = self.buffers.stage(pipeline.snapshot(ctx, state))
+            lz = None
+            if lazy and _no_notice():  # an emergency save stays eager
+                planned = pipeline.snapshot(ctx, state)
+                dests = self.buffers.destinations(planned)
+                lz = self._lazy = LazySnapshot(step, planned, dests, state)
+                snap = dataclasses.replace(planned, tensors=dests)
+                if self._copier is None:
+                    self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckrun-copier")
+                self._copier.submit(lz.copy_all)
+            else:
+                snap = self.buffers.stage(pipeline.snapshot(ctx, state))
             meta = copy.deepcopy(dict(metrics or {}))
             stall = time.monotonic() - started
-            fut = self._pool.submit(self._persist, step, snap, kind, compat, meta, created, started)
+            fut = self._pool.submit(
+                self._persist, step, snap, kind, compat, meta, created, started, lz
+            )
             h = AsyncSaveHandle(fut, step, stall, snap.nbytes, started)
             self._inflight, self.last_stall_s = h, stall
         return h
@@ -187,8 +216,13 @@ class AsyncSaver:
         metrics: dict[str, Any],
         created: str,
         started: float,
+        lz: LazySnapshot | None = None,
     ) -> Manifest:
         t0 = time.monotonic()
+        open_shard = self.buffers.writer_for(self._ctx.storage)
+        if lz is not None:  # every tensor copied (by the copier or a step's hook), checked
+            lz.wait()
+            open_shard = lz.verified(open_shard or self._ctx.storage.open_write)
         m = pipeline.persist(
             self._ctx,
             step,
@@ -198,7 +232,7 @@ class AsyncSaver:
             metrics=metrics,
             created_utc=created,
             started=started,
-            open_shard=self.buffers.writer_for(self._ctx.storage),
+            open_shard=open_shard,
         )
         self.last_persist_s = time.monotonic() - t0
         self.last_durable_s = time.monotonic() - started
@@ -218,6 +252,9 @@ class AsyncSaver:
             return None
         self._inflight = None
         err = h._future.exception()  # waits
+        if self._lazy is not None:  # the copies are done: no hook is needed any more
+            self._lazy.close()
+            self._lazy = None
         if err is None:
             return h._future.result()
         if h.observed:
@@ -311,6 +348,15 @@ class AsyncSaver:
             self.drain()
         finally:
             self._pool.shutdown(wait=True)
+            if self._copier is not None:
+                self._copier.shutdown(wait=True)
+
+
+def _no_notice() -> bool:
+    """No preemption notice is pending (a save under a notice stays eager)."""
+    from ckrun.control import read_notice
+
+    return read_notice() is None
 
 
 def _at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:

@@ -108,6 +108,8 @@ class Checkpointer:
             Checkpointer of this process on the same run is then refused (``RunLocked``
             naming where the first was created), on every storage.
         seed: base seed of the RNG reseed when resuming on another world size.
+        lazy_snapshot: default of :meth:`async_save`'s ``lazy`` (opt-in: see
+            :mod:`ckrun.checkpoint.lazy_snapshot`).
 
     Rank and world size come from ``torch.distributed`` (or ``RANK``/``WORLD_SIZE``);
     with more than one rank ``load``/``save``/``finalize`` are collectives (see
@@ -142,6 +144,7 @@ class Checkpointer:
         resume_step: int | None = None,
         lock: bool = True,
         seed: int = 0,
+        lazy_snapshot: bool = False,
     ):
         if keep_last < 1 or (milestone_every is not None and milestone_every < 1):
             raise ConfigError(
@@ -176,6 +179,7 @@ class Checkpointer:
         self.policy = policy
         self.resume_step = resume_step
         self.seed = seed
+        self.lazy_snapshot = lazy_snapshot
         self.skipped: list[str] = []
         self._user_compat = normalize(dict(compat or {}))
         self._state_compat: dict[str, Any] = {}
@@ -446,7 +450,12 @@ class Checkpointer:
     # -- async saves and the checkpoint interval --------------------------------------
 
     def async_save(
-        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        lazy: bool | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` into reused host buffers; persist and commit in the background.
 
@@ -454,7 +463,10 @@ class Checkpointer:
         ``handle.result()`` returns the manifest once the commit is durable.  At most one
         save is in flight: a second ``async_save`` or ``save`` first waits for it.  With
         more than one rank this saves synchronously (the distributed commit is a
-        collective).  See :mod:`ckrun.checkpoint.async_save`.
+        collective).  See :mod:`ckrun.checkpoint.async_save`.  ``lazy=True`` (default:
+        the Checkpointer's ``lazy_snapshot``) returns before parameters and optimizer
+        state are copied: they are copied during the next step, before the optimizer
+        writes them (:mod:`ckrun.checkpoint.lazy_snapshot`).
 
         Raises:
             The previous background save's error (once); otherwise as :meth:`save` for
@@ -469,7 +481,8 @@ class Checkpointer:
         if self._async is None:
             self._async = aio.AsyncSaver(self._ctx, self.compat_block)
         t0 = time.monotonic()
-        h = self._async.save(step, state, metrics)
+        lazy = self.lazy_snapshot if lazy is None else lazy
+        h = self._async.save(step, state, metrics, lazy=lazy)
         if self.rank == 0:
             from ckrun.runlog import child_event
 

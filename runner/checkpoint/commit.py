@@ -14,6 +14,11 @@ gets ``ObjectExists`` and this module decides, after reading the existing manife
   manifest only: its shards are never named again and are collected by retention) and
   the create is retried once.
 
+With ``after`` (the committed unreferenced shard writers of a
+:class:`~ckrun.storage.base.PublishesAfter` storage, issue 19) the create is
+``put_after``: the shards are made durable together with the manifest's data, before
+the manifest's name is published.
+
 Fencing (DESIGN.md §7, :mod:`ckrun.checkpoint.lease`): with a ``fence``, the lease epoch
 is checked right before the create and again right after it; a manifest created by a
 writer whose epoch stopped being current in between is deleted again (it is this
@@ -24,6 +29,7 @@ raised, so a stale owner never leaves a commit behind.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.manifest import Manifest
@@ -35,7 +41,7 @@ from ckrun.errors import (
     ObjectExists,
     ObjectNotFound,
 )
-from ckrun.storage.base import Storage
+from ckrun.storage.base import ObjectWriter, PublishesAfter, Storage
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +79,19 @@ def _same_contents(a: Manifest, b: Manifest) -> bool:
     return a.kind == b.kind and a.world_size == b.world_size and sig(a) == sig(b)
 
 
-def commit_manifest(storage: Storage, m: Manifest, fence: Fence | None = None) -> Manifest:
+def commit_manifest(
+    storage: Storage,
+    m: Manifest,
+    fence: Fence | None = None,
+    after: Sequence[ObjectWriter] = (),
+) -> Manifest:
     """Create ``m.key`` only if absent; returns the manifest that is committed there.
 
     Args:
         fence: the writer's lease fence (None or unfenced: no check).
+        after: committed unreferenced shard writers of ``storage`` (a
+            :class:`~ckrun.storage.base.PublishesAfter`), made durable before the
+            manifest is published (module docstring); empty: the shards are durable.
 
     Returns:
         ``m``, or an existing verified manifest of the same contents.
@@ -95,7 +109,11 @@ def commit_manifest(storage: Storage, m: Manifest, fence: Fence | None = None) -
         if fence is not None:
             fence.check(what)
         try:
-            storage.put(m.key, body, if_absent=True)
+            if after:
+                assert isinstance(storage, PublishesAfter)
+                storage.put_after(m.key, body, after, if_absent=True)
+            else:
+                storage.put(m.key, body, if_absent=True)
         except ObjectExists:
             pass
         else:

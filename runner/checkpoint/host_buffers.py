@@ -96,20 +96,29 @@ class HostBuffers:
             else:
                 self._views.append(raw.numpy().view(t.dtype).reshape(t.shape))
 
+    def destinations(self, snap: fmt.Snapshot) -> list[torch.Tensor | np.ndarray[Any, Any]]:
+        """The arena's views that ``snap``'s tensors and arrays are copied into, in order
+        (laid out, or reused when the layout fits; nothing is copied here).  The lazy
+        snapshot (:mod:`ckrun.checkpoint.lazy_snapshot`) fills them tensor by tensor."""
+        table, data_bytes = st_format.table(snap.tensors)
+        pinned = torch.cuda.is_available() and any(
+            isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in snap.tensors
+        )
+        sig = tuple((str(getattr(t, "dtype", "")), tuple(t.shape)) for t in snap.tensors)
+        if sig != self._sig or (pinned and not self._pinned):
+            self._layout(snap, table, data_bytes, pinned)
+            self._sig = sig
+        return list(self._views)
+
     def stage(self, snap: _S) -> _S:
         """Copy ``snap``'s tensors and arrays into the arena; a snapshot of the copies.
 
         Returns once every copy is complete (device copies synchronised).
         """
-        table, data_bytes = st_format.table(snap.tensors)
         devices = {
             t.device for t in snap.tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"
         }
-        pinned = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
-        sig = tuple((str(getattr(t, "dtype", "")), tuple(t.shape)) for t in snap.tensors)
-        if sig != self._sig or (pinned and not self._pinned):
-            self._layout(snap, table, data_bytes, pinned)
-            self._sig = sig
+        self.destinations(snap)
         with torch.no_grad():
             for t, dst in zip(snap.tensors, self._views, strict=True):
                 if isinstance(dst, torch.Tensor) and isinstance(t, torch.Tensor):

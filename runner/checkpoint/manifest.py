@@ -164,9 +164,15 @@ class Manifest:
         return body
 
     def dumps(self) -> bytes:
-        """Strict JSON bytes (``allow_nan=False``, sorted keys)."""
+        """Strict JSON bytes (``allow_nan=False``, sorted keys), compact: ``indent``
+        would select :mod:`json`'s pure-Python encoder, 3-4x slower than its C encoder
+        (measured 0.95 vs 0.31 ms for a 1 MB state's manifest, 73 vs 18 ms for a 50-layer
+        model's; it is on every save's critical path, issue 19).  ``python -m json.tool``
+        pretty-prints one."""
         try:
-            text = json.dumps(self.to_json(), sort_keys=True, indent=1, allow_nan=False)
+            text = json.dumps(
+                self.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False
+            )
         except ValueError as e:
             raise ValueError(f"manifest of step {self.step} is not strict JSON: {e}") from e
         return text.encode()

@@ -35,8 +35,8 @@ from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.state import capture
-from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StorageError
-from ckrun.storage.base import ObjectWriter, Storage
+from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StateUnusable, StorageError
+from ckrun.storage.base import ObjectWriter, PublishesAfter, Storage
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,11 @@ class CommitContext:
         signature: the model signature of the state last seen
             (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
             compared by the next load.
+        dirty: ``data_ptr → (name, tensor)`` of live tensors a failed in-place load
+            wrote and no verified load has rewritten since
+            (:mod:`ckrun.checkpoint.inplace_load`).
+        unusable: why the state is unusable (a dirty tensor is still in use), or None;
+            every save refuses while it is set (:func:`begin`).
     """
 
     storage: Storage
@@ -114,6 +119,8 @@ class CommitContext:
     retainer: ThreadPoolExecutor | None = None
     signature: dict[str, Any] | None = None
     fence: Fence | None = None
+    dirty: dict[int, tuple[str, Any]] = field(default_factory=dict)
+    unusable: str | None = None
 
     def check_fence(self, what: str) -> None:
         """Raise ``LeaseLost`` when fenced and the lease epoch is no longer current."""
@@ -162,8 +169,14 @@ def acquire(ctx: CommitContext) -> None:
 
 
 def begin(ctx: CommitContext) -> None:
-    """Before any save: the last save's retention has finished, the run is not
-    complete, and this process holds the lock."""
+    """Before any save: the state is not half-loaded, the last save's retention has
+    finished, the run is not complete, and this process holds the lock.
+
+    Raises:
+        StateUnusable: a failed in-place load left the state half-written.
+    """
+    if ctx.unusable:
+        raise StateUnusable(ctx.unusable)
     wait_retention(ctx)
     check_not_complete(ctx)
     acquire(ctx)
@@ -235,7 +248,8 @@ def persist(
         return m
     area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
     key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
-    out = sharding.write_object((open_shard or ctx.storage.open_write)(key), snap)
+    w, after = open_single_shard(ctx.storage, key, open_shard)
+    out = sharding.write_object(w, snap)
     size, checksum = out.size_bytes, out.checksum
     info = ctx.storage.head(key)
     if info is None or info.size_bytes != size:
@@ -249,11 +263,25 @@ def persist(
         sharding.merge_layout([sharding.layout_part(snap, out)]),
     )
     mkey = m.key
-    m = commit_manifest(ctx.storage, m, ctx.fence)  # conditional create, fenced
+    m = commit_manifest(ctx.storage, m, ctx.fence, after)  # conditional create, fenced
     ctx.verified.add(mkey)
     ctx.written = m
     log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size, m.save_duration_s)
     return m
+
+
+def open_single_shard(
+    storage: Storage, key: str, open_shard: Callable[[str], ObjectWriter] | None
+) -> tuple[ObjectWriter, tuple[ObjectWriter, ...]]:
+    """The shard writer of a one-rank save, and what the manifest's commit must make
+    durable first: an unreferenced writer where the storage offers one (no temp file
+    or rename; its fsyncs batched with the manifest's, :class:`PublishesAfter`), else
+    ``open_shard`` or ``storage.open_write`` (durable at its own commit)."""
+    if open_shard is None and isinstance(storage, PublishesAfter):
+        w = storage.open_unreferenced(key)
+        if w is not None:
+            return w, (w,)
+    return (open_shard or storage.open_write)(key), ()
 
 
 def make_manifest(
@@ -343,6 +371,9 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
             milestone_every=ctx.milestone_every,
             protect=protect,
             broken_steps=broken,
+            # a stale owner never collects a newer attempt's in-flight shard; unfenced
+            # runs (no supervisor) have no stale owners and no monotonic attempts
+            attempt=ctx.attempt if ctx.lease_epoch is not None else None,
         )
         retention.apply(ctx.storage, plan)
         ctx.verified -= set(plan.manifests)

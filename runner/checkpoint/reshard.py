@@ -23,7 +23,7 @@ shard, so model and optimizer ``load_state_dict`` receive DTensors of their own 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -189,12 +189,23 @@ def _global(reader: _Reader, name: str, target: Any) -> Any:
     return full
 
 
-def load_tree(storage: Storage, m: Manifest, *, source_rank: int, want: Mapping[str, Any]) -> Any:
+def load_tree(
+    storage: Storage,
+    m: Manifest,
+    *,
+    source_rank: int,
+    want: Mapping[str, Any],
+    bulk: Callable[[], Mapping[str, Any]] | None = None,
+) -> Any:
     """The state tree of format-2 checkpoint ``m`` for this rank (module docstring).
 
     Args:
         source_rank: the shard whose rank-local state and tree this rank takes.
         want: :func:`targets` of the state being restored (``{}``: whole tensors).
+        bulk: called once the header and the rank-local entries are verified; returns
+            global tensors already read and verified, by name
+            (:func:`ckrun.checkpoint.inplace_load.read_globals`); the others are read
+            here.
 
     Raises:
         CorruptCheckpoint: a missing or truncated shard, a checksum mismatch of a byte
@@ -213,8 +224,12 @@ def load_tree(storage: Storage, m: Manifest, *, source_rank: int, want: Mapping[
             tensors.append(t)
         else:
             tensors.append(None)
+    pre = bulk() if bulk is not None else {}
     return decode_tree(
-        h.tree, tensors, key, resolve_global=lambda g: _global(reader, g, target_for(want, g))
+        h.tree,
+        tensors,
+        key,
+        resolve_global=lambda g: pre[g] if g in pre else _global(reader, g, target_for(want, g)),
     )
 
 

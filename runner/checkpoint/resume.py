@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
-from ckrun.checkpoint import collective, reshard, signature
+from ckrun.checkpoint import collective, inplace_load, reshard, signature
 from ckrun.checkpoint.compat import DEFAULT_POLICY, compare
 from ckrun.checkpoint.discovery import scan
 from ckrun.checkpoint.manifest import Manifest
@@ -28,6 +28,7 @@ from ckrun.errors import (
     CorruptObject,
     IncompatibleCheckpoint,
     ObjectNotFound,
+    StateUnusable,
 )
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,16 @@ def gate(
     return cmp.drift
 
 
-def read(ctx: CommitContext, m: Manifest, want: Mapping[str, Any]) -> Any:
+def read(
+    ctx: CommitContext,
+    m: Manifest,
+    want: Mapping[str, Any],
+    bulk: Callable[[], Mapping[str, Any]] | None = None,
+) -> Any:
     """This rank's state tree of ``m``, read and verified: its shard (format 1), or
     ranged reads of what it needs (format 2, :mod:`ckrun.checkpoint.reshard`; ``want``:
-    the targets of the state being restored).
+    the targets of the state being restored; ``bulk``: its global tensors read in place,
+    :func:`ckrun.checkpoint.inplace_load.bulk_reader`).
 
     Raises:
         CheckpointError: ``m`` was saved on another world size in a format that does
@@ -96,7 +103,7 @@ def read(ctx: CommitContext, m: Manifest, want: Mapping[str, Any]) -> Any:
         )
     src = collective.source_rank(m, ctx.rank, ctx.world_size)
     if m.tensor_layout is not None:  # format 2: ranged reads of what this rank needs
-        return reshard.load_tree(ctx.storage, m, source_rank=src, want=want)
+        return reshard.load_tree(ctx.storage, m, source_rank=src, want=want, bulk=bulk)
     s = next(s for s in m.shards if s.rank == src)
     info = ctx.storage.head(s.key)
     if info is None or info.size_bytes != s.size_bytes:
@@ -128,13 +135,43 @@ def load(
     """Restore the newest good, compatible checkpoint into ``state`` in place (see
     :meth:`ckrun.Checkpointer.load`); unusable ones are appended to ``skipped``.
 
+    Format-2 tensors are read straight into the live tensors where they fit; a
+    checkpoint that fails verification after that is restored over by the next older
+    one (:mod:`ckrun.checkpoint.inplace_load`, the transaction).
+
     Returns:
         Its manifest, or None when there is nothing to resume.
 
     Raises:
         IncompatibleCheckpoint: as :func:`gate`; nothing is restored.
         CheckpointError: the checkpoint does not fit the state (wrong model).
+        StateUnusable: a damaged checkpoint was partly read in place and no older one
+            restored over it: the process must stop (the supervisor restarts it).
     """
+    txn = inplace_load.Transaction(ctx)
+    try:
+        m = _load(ctx, state, current, txn, allow_change, policy, seed, resume_step, skipped)
+    except StateUnusable:
+        raise
+    except BaseException as e:
+        txn.aborted(e)
+        raise
+    if m is None:
+        txn.exhausted()
+    return m
+
+
+def _load(
+    ctx: CommitContext,
+    state: MutableMapping[str, Any],
+    current: Mapping[str, Any],
+    txn: inplace_load.Transaction,
+    allow_change: Sequence[str],
+    policy: Mapping[str, str] | None,
+    seed: int,
+    resume_step: int | None,
+    skipped: list[str],
+) -> Manifest | None:
     want: dict[str, Any] | None = None
     for m in scan(ctx.storage).manifests:
         drift = gate(ctx, m, current, allow_change=allow_change, policy=policy)
@@ -142,11 +179,13 @@ def load(
         try:
             if m.tensor_layout is not None and want is None:
                 want = reshard.targets(state)  # where each global tensor goes
-            tree = read(ctx, m, want or {})
+            bulk = inplace_load.bulk_reader(ctx, state, m, want or {}, txn.attempt())
+            tree = read(ctx, m, want or {}, bulk)
         except (CorruptCheckpoint, ObjectNotFound) as e:
             why = str(e)
         ok, whys = ctx.group.all_ok(tree is not None, why)  # all ranks fall back together
         if not ok or tree is None:
+            txn.failed(m.step)
             msg = f"checkpoint step {m.step} is unusable: {'; '.join(whys)}"
             log.error("%s; falling back to an older checkpoint", msg)
             skipped.append(msg)
@@ -159,6 +198,7 @@ def load(
             )
         else:
             restore(state, tree, where=f"checkpoint step {m.step}")
+        txn.restored(state, m.step)
         ctx.resumed_from, ctx.drift = m.step, drift
         ctx.verified.add(m.key)
         if resume_step is not None and resume_step != m.step:

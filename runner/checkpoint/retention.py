@@ -6,7 +6,11 @@ recovery checkpoints, every milestone (``kind == "milestone"`` or a step divisib
 attempt resumed from, the one just committed).  A deleted checkpoint loses its manifest
 first, so it disappears atomically; its shards go next.  Shards no valid manifest names
 (leftovers of killed saves and dead attempts) are collected up to the newest committed
-step.  Only keys :func:`ckrun.checkpoint.layout.parse` recognises are ever deleted.
+step, except, in a fenced run (a lease: attempts numbered by the supervisor), those of a
+newer attempt than the one retaining (a stale owner, between its fence check and its
+deletes, must not collect the shard a new owner is writing: on local storage that shard
+is written under its final key before its manifest, issue 19).
+Only keys :func:`ckrun.checkpoint.layout.parse` recognises are ever deleted.
 """
 
 from __future__ import annotations
@@ -75,12 +79,15 @@ def plan(
     milestone_every: int | None,
     protect: Iterable[int],
     broken_steps: Iterable[int] = (),
+    attempt: int | None = None,
 ) -> Plan:
     """The deletions for the ``checkpoints/`` area given its committed manifests.
 
     Args:
         committed: valid manifests (any area; only ``checkpoints`` ones are candidates).
         broken_steps: steps whose manifest exists but is invalid: left alone entirely.
+        attempt: the retaining writer's attempt: orphaned shards of newer attempts are
+            left alone (None: no such limit).
     """
     rec = {m.step: m for m in committed if m.area == "checkpoints"}
     drop = select(
@@ -109,6 +116,7 @@ def plan(
                 and k.area == "checkpoints"
                 and k.step <= newest
                 and k.step not in skip
+                and (attempt is None or k.attempt is None or k.attempt <= attempt)
                 and info.key not in live
                 and info.key not in p.shards
             ):

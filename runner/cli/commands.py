@@ -26,7 +26,13 @@ from ckrun.config import (
     is_local_storage,
     resolve,
 )
-from ckrun.errors import CkrunError, ConfigError, IncompatibleCheckpoint, RunLocked, UsageError
+from ckrun.errors import (
+    CkrunError,
+    ConfigError,
+    IncompatibleCheckpoint,
+    RunLocked,
+    UsageError,
+)
 from ckrun.notices import iso_utc, utcnow
 from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
 from ckrun.storage.fsutil import write_json_atomic
@@ -134,9 +140,12 @@ def locate(name: str, storage: str | None) -> RunDir:
         ConfigError: ``name`` is not a valid run name.
         UsageError: no run of that name exists there.
     """
-    check_run_name(name)
-    cfg = _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
+    cfg = located_config(name, storage)
     rd = RunDir(cfg.state_root)
+    if not rd.exists():  # a profile's state_dir put it elsewhere: the submit left a pointer
+        moved = read_json(os.path.join(cfg.state_root, STATE_POINTER)) or {}
+        if moved.get("state_root") and RunDir(str(moved["state_root"])).exists():
+            rd = RunDir(str(moved["state_root"]))
     if not rd.exists():
         raise UsageError(
             f"no run {name!r} under {cfg.storage} (no {rd.run_json}); pass --storage DIR "
@@ -144,6 +153,46 @@ def locate(name: str, storage: str | None) -> RunDir:
             " lists the runs there"
         )
     return rd
+
+
+#: In the state directory :func:`locate` looks in: where the run's state really is.
+STATE_POINTER = "state-root.json"
+
+
+def remember_state_root(cfg: RunConfig) -> None:
+    """Leave a pointer (:data:`STATE_POINTER`) where :func:`locate` looks for run
+    ``cfg.run`` under ``cfg.storage`` when a profile's ``state_dir`` keeps its state
+    elsewhere (the k8s profile: ``./ckrun-state``), so ``ckrun status|logs|cancel NAME
+    --storage S`` work as pasted from any directory.  Remote storage only: its default
+    state directory is this machine's own cache; a local storage's is the run root.
+
+    A pointer that cannot be written is reported, never fatal.
+    """
+    if is_local_storage(cfg.storage):
+        return
+    default = located_config(cfg.run, cfg.storage).state_root
+    here = os.path.abspath(cfg.state_root)
+    if os.path.abspath(default) == here:
+        return
+    try:
+        os.makedirs(default, exist_ok=True)
+        write_json_atomic(os.path.join(default, STATE_POINTER), {"state_root": here})
+    except OSError as e:  # the run works without it; only NAME --storage lookups miss it
+        say(
+            f"note: cannot write {default} ({e.strerror}): commands that take run "
+            f"{cfg.run!r} find it only with CKRUN_STATE_DIR={os.path.dirname(here)}"
+        )
+
+
+def located_config(name: str, storage: str | None) -> RunConfig:
+    """The configuration a command that takes a run resolves for ``name`` under
+    ``storage`` (the local profile, paths made absolute), before reading ``run.json``.
+
+    Raises:
+        ConfigError: ``name`` is not a valid run name.
+    """
+    check_run_name(name)
+    return _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
 
 
 def run_storage(rd: RunDir) -> str:
@@ -281,6 +330,7 @@ def submit(
     budgets = RunDirBudgets(rundir.root)
     spent = budgets.load()
     rundir.freeze(cfg)
+    remember_state_root(cfg)
     budgets.reset()  # a new submission: fresh budgets (before its job can start)
     say(f"run {name}: storage {cfg.run_root}, profile {profile}")
     if local and not detach:
@@ -415,8 +465,8 @@ def _final_step(rd: RunDir) -> int | None:
     from ckrun.supervisor.preflight import open_run_storage
 
     cfg = rd.load_config()
-    if cfg is None:
-        return None
+    if cfg is None or not (is_local_storage(cfg.storage) or cfg.storage.startswith("s3://")):
+        return None  # pvc:CLAIM is mounted in the pods only: nothing to open here
     marker, _problem = completion(open_run_storage(cfg))
     return None if marker is None else int(marker.final_step)
 

@@ -128,11 +128,24 @@ def _finished(rd: Any) -> bool:
 def logs(name: str, storage: str | None, follow: bool) -> None:
     """The supervisor's and the training process's output of run NAME (detached or
     scheduled runs; a foreground run printed to its terminal)."""
-    from ckrun.cli.commands import hint, locate, run_storage
+    from ckrun.cli.commands import hint, run_storage
+    from ckrun.cli.status import locate
+    from ckrun.report.stored import StoredRunDir, event_line, stored_events
+    from ckrun.report.stored import run_storage as open_stored
     from ckrun.supervisor.rundir import read_json
 
     rd = locate(name, storage)
     files = log_files(rd)
+    if not files and isinstance(rd, StoredRunDir):  # a machine that never ran it
+        st = open_stored(rd)
+        click.echo(
+            f"(run {name!r} has no output on this machine: its output stayed where it ran; "
+            f"its supervisor events from {st.url if st else 'its storage'}:)",
+            err=True,
+        )
+        for e in stored_events(st):
+            click.echo(event_line(e))
+        return
     job = read_json(rd.job_json)
     if not files and job and job.get("backend") == "k8s":
         ns, _, jname = str(job.get("job_id")).rpartition("/")

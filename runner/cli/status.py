@@ -24,10 +24,26 @@ _FINAL = {"COMPLETED", "ALREADY_COMPLETE", "FAILED", "INCOMPATIBLE", "REQUEUE_FA
 
 
 def locate(name: str, storage: str | None) -> RunDir:
-    """The state directory of run ``name`` (see :func:`ckrun.cli.commands.locate`)."""
-    from ckrun.cli.commands import locate as _locate
+    """The state directory of run ``name`` (see :func:`ckrun.cli.commands.locate`); on a
+    machine with no local state of the run (a fresh VM, a new pod, another user's
+    machine) whose storage holds its record, a :class:`ckrun.report.stored.StoredRunDir`
+    (the history then comes from the run's storage).
 
-    return _locate(name, storage)
+    Raises:
+        ConfigError: ``name`` is not a valid run name.
+        UsageError: no run of that name exists there, locally or in its storage.
+    """
+    from ckrun.cli.commands import locate as _locate
+    from ckrun.cli.commands import located_config
+    from ckrun.report.stored import find_in_storage
+
+    try:
+        return _locate(name, storage)
+    except UsageError:
+        found = find_in_storage(located_config(name, storage))
+        if found is None:
+            raise
+        return found
 
 
 def show(rd: RunDir, *, as_json: bool = False, html_file: str | None = None) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from typing import Any
 from ckrun.notices import iso_utc, utcnow
 from ckrun.report import goodput
 from ckrun.report.history import History, parse
+from ckrun.report.lease_view import lease_view
+from ckrun.report.stored import StoredRunDir, merge_events, run_storage, stored_events
 from ckrun.runlog import read_events
 from ckrun.supervisor.rundir import RunDir, read_json
 
@@ -22,13 +24,12 @@ def newest_step(rd: RunDir, default: int | None) -> int | None:
     """The newest committed step in the run's storage (``default`` when unreadable)."""
     from ckrun.errors import CkrunError
     from ckrun.supervisor.preflight import newest_step as newest
-    from ckrun.supervisor.preflight import open_run_storage
 
     try:
-        cfg = rd.load_config()
-        if cfg is None:
+        st = run_storage(rd)
+        if st is None:
             return default
-        known = [x for x in (newest(open_run_storage(cfg)), default) if x is not None]
+        known = [x for x in (newest(st), default) if x is not None]
     except (CkrunError, OSError):
         return default
     return max(known) if known else None
@@ -38,11 +39,10 @@ def is_complete(rd: RunDir) -> bool:
     """True when the run's storage holds a valid ``COMPLETE.json``."""
     from ckrun.errors import CkrunError
     from ckrun.supervisor.preflight import is_complete as complete
-    from ckrun.supervisor.preflight import open_run_storage
 
     try:
-        cfg = rd.load_config()
-        return cfg is not None and complete(open_run_storage(cfg))
+        st = run_storage(rd)
+        return st is not None and complete(st)
     except (CkrunError, OSError):
         return False
 
@@ -121,9 +121,14 @@ def _r(x: float) -> float:
 
 def summarize(rd: RunDir, now: dt.datetime | None = None) -> dict[str, Any]:
     """The run's state and accounting (see :mod:`ckrun.report.goodput` for the
-    definitions); ``useful_s`` is the productive time (its former name)."""
-    events = read_events(rd.events_path)
-    cfg = read_json(rd.run_json) or {}
+    definitions); ``useful_s`` is the productive time (its former name).  The history is
+    this machine's events merged with those the run's storage keeps
+    (:mod:`ckrun.report.stored`); ``lease`` is :func:`ckrun.report.lease_view.lease_view`
+    (None when the run has no lease or its storage is unknown)."""
+    storage = run_storage(rd)
+    events = merge_events(read_events(rd.events_path), stored_events(storage))
+    located = rd.load_config() if isinstance(rd, StoredRunDir) else None
+    cfg = read_json(rd.run_json) or (located.to_json() if located else {})
     holder = rd.live_holder()
     t_now = (now or utcnow()).timestamp()
     h = parse(events)
@@ -212,6 +217,7 @@ def summarize(rd: RunDir, now: dt.datetime | None = None) -> dict[str, Any]:
         "requeue_refusals": [
             {"attempt": a, "at_s": _r(t - acc.start)} for t, a, _m in h.requeue_refusals
         ],
+        "lease": None if storage is None else lease_view(storage),
         "scheduler": scheduler_view(rd),
         "interval": interval_numbers(rd.root),
     }

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckrun.report.lease_view import lease_line
+
 #: One character per category of :data:`ckrun.report.goodput.CATEGORIES`.
 GLYPH = {
     "startup": ".",
@@ -69,6 +71,9 @@ def render(s: dict[str, Any]) -> str:
         f"shutdown {_s(ov.get('shutdown'))}, waiting {_s(ov.get('waiting'))}"
         + (f", unsaved {_s(ov['unsaved'])}" if ov.get("unsaved") else ""),
     ]
+    lease = lease_line(s.get("lease"))
+    if lease:
+        lines.append("  " + lease)
     iv = s.get("interval")
     if isinstance(iv, dict):
         lines.append("  " + interval_line(iv))

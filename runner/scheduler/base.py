@@ -73,6 +73,13 @@ class JobSpec:
     nnodes: int = 1
     nproc_per_node: int = 1
 
+    @property
+    def storage_base(self) -> str:
+        """The storage base given at submit (``--storage``): :attr:`storage` without
+        its ``/<run>``, as commands that take a run want it."""
+        tail = "/" + self.run
+        return self.storage[: -len(tail)] if self.storage.endswith(tail) else self.storage
+
 
 @dataclass(frozen=True)
 class JobInfo:

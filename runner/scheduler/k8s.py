@@ -135,10 +135,10 @@ class K8sScheduler:
         docs = self.manifests(spec)
         api = self.api()
         if docs[-1]["kind"] == "JobSet":
-            job_id = k8s_api.create_jobset(api, docs[-1])
+            job_id = k8s_api.create_jobset(api, docs[-1], storage=spec.storage_base)
             log.info("created JobSet %s (failurePolicy restarts the group)", job_id)
             return job_id
-        job_id, uid = k8s_api.create_job_uid(api, docs[-1])
+        job_id, uid = k8s_api.create_job_uid(api, docs[-1], storage=spec.storage_base)
         for doc in docs[:-1]:
             try:
                 k8s_api.create_service(api, doc, uid)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from typing import Any
 
 from ckrun.errors import SchedulerError
@@ -151,37 +152,43 @@ def _is_status(exc: BaseException, code: int) -> bool:
     return getattr(exc, "status", None) == code
 
 
-def _exists_error(doc: dict[str, Any], exc: BaseException) -> SchedulerError:
+def _exists_error(doc: dict[str, Any], storage: str | None) -> SchedulerError:
+    """The 409 of a create: the run was submitted before; the message names a working
+    ``ckrun cancel`` (it takes the run name and ``--storage``, never ``ns/name``)."""
     meta = doc["metadata"]
     ns, name, kind = meta["namespace"], meta["name"], doc.get("kind", "Job")
-    ref = f"{ns}/jobset/{name}" if kind == "JobSet" else f"{ns}/{name}"
+    run = str(meta.get("annotations", {}).get("ckrun/run", name))
+    cancel = shlex.join(["ckrun", "cancel", run, "--storage", storage or "STORAGE"])
+    where = "" if storage else " (STORAGE: the --storage it was submitted with)"
     return SchedulerError(
-        f"a {kind} named {name!r} already exists in namespace {ns!r}: run "
-        f"{meta['annotations'].get('ckrun/run', name)!r} was submitted "
-        "before.  It requeues itself after a preemption, so there is nothing to "
-        f"resubmit; to start it again: ckrun cancel {ref} (or kubectl delete "
-        f"{kind.lower()} {name} -n {ns}) and submit again, or choose another --run name"
+        f"a {kind} named {name!r} already exists in namespace {ns!r}: run {run!r} was "
+        "submitted before.  It requeues itself after a preemption, so there is nothing to "
+        f"resubmit; to start it again: `{cancel}`{where} (or `kubectl delete "
+        f"{kind.lower()} {name} -n {ns}`) and submit again, or choose another --run name"
     )
 
 
-def create_job(api: ApiHandle, doc: dict[str, Any]) -> str:
+def create_job(api: ApiHandle, doc: dict[str, Any], *, storage: str | None = None) -> str:
     """Create the Job ``doc``; return ``"namespace/name"``.
 
     Raises:
         SchedulerError: 409 (a Job of that name exists; the message says how to resume
             or start over), 401/403 (RBAC), unreachable server, or any other API error.
     """
-    return create_job_uid(api, doc)[0]
+    return create_job_uid(api, doc, storage=storage)[0]
 
 
-def create_job_uid(api: ApiHandle, doc: dict[str, Any]) -> tuple[str, str]:
-    """:func:`create_job`, also returning the created Job's ``metadata.uid``."""
+def create_job_uid(
+    api: ApiHandle, doc: dict[str, Any], *, storage: str | None = None
+) -> tuple[str, str]:
+    """:func:`create_job`, also returning the created Job's ``metadata.uid``; ``storage``
+    (the run's storage base) goes into the 409 message's ``ckrun cancel`` command."""
     ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
     try:  # a plain dict: every client version serializes it as it is
         created = api.batch.create_namespaced_job(ns, doc, _request_timeout=REQUEST_TIMEOUT_S)
     except api.errors as exc:
         if _is_status(exc, 409):
-            raise _exists_error(doc, exc) from exc
+            raise _exists_error(doc, storage) from exc
         raise map_api_error(exc, what=f"create Job {ns}/{name}", host=api.host) from exc
     uid = getattr(getattr(created, "metadata", None), "uid", None) or ""
     return f"{ns}/{name}", str(uid)
@@ -215,8 +222,9 @@ def create_service(api: ApiHandle, doc: dict[str, Any], owner_uid: str) -> None:
         raise map_api_error(exc, what=f"create Service {ns}/{name}", host=api.host) from exc
 
 
-def create_jobset(api: ApiHandle, doc: dict[str, Any]) -> str:
-    """Create the JobSet ``doc``; return ``"namespace/jobset/name"``.
+def create_jobset(api: ApiHandle, doc: dict[str, Any], *, storage: str | None = None) -> str:
+    """Create the JobSet ``doc``; return ``"namespace/jobset/name"`` (``storage``: as for
+    :func:`create_job_uid`).
 
     Raises:
         SchedulerError: 409, 404 (JobSet is not installed: the message says so), RBAC,
@@ -230,7 +238,7 @@ def create_jobset(api: ApiHandle, doc: dict[str, Any]) -> str:
         )
     except api.errors as exc:
         if _is_status(exc, 409):
-            raise _exists_error(doc, exc) from exc
+            raise _exists_error(doc, storage) from exc
         if _is_status(exc, 404):
             raise SchedulerError(
                 f"cannot create JobSet {ns}/{name}: the cluster has no {group}/{version} "

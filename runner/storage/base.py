@@ -19,6 +19,12 @@ protocol relies on:
   PUT is the MD5 of the content, so two writes of identical bytes may carry the same
   token: a compare-and-swap user makes every write's bytes unique (the lease carries a
   renewal counter);
+* optional, :class:`PublishesAfter` (local storage; issue 19): an *unreferenced* object
+  (a shard no reader opens until a manifest names it) is written straight under its
+  attempt-unique key, without a temp name or a rename, and made durable by the
+  ``put_after`` that publishes the object naming it, before that name appears; a
+  listing may show such an object partially written (a killed save), and only
+  retention (orphaned shards) ever deletes it;
 * keys are relative POSIX paths (``a/b/c``); :func:`validate_key` rejects absolute keys,
   ``..``, empty components and backslashes, so a manifest cannot name a file outside the
   run.
@@ -27,7 +33,7 @@ protocol relies on:
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol, runtime_checkable
 
@@ -182,6 +188,44 @@ class WritesInPlace(Protocol):
     def in_place_writer(self, base: int, length: int) -> Callable[[str], ObjectWriter] | None:
         """A writer factory over the buffer, or None when this storage declines (then
         the caller uses :meth:`Storage.open_write`)."""
+        ...
+
+
+@runtime_checkable
+class PublishesAfter(Protocol):
+    """Optional capability of a :class:`Storage`: unreferenced objects, made durable
+    together with the object that names them (module docstring; issue 19: one journal
+    commit fewer per small checkpoint, and the independent fsyncs batched).
+
+    The commit protocol keeps its order: everything ``after`` names is durable before
+    ``key`` is published, and ``key`` is durable when ``put_after`` returns.
+    """
+
+    def open_unreferenced(self, key: str) -> ObjectWriter | None:
+        """A writer straight under ``key`` (a fresh, attempt-unique key); its
+        ``commit()`` leaves the object complete but not durable until a ``put_after``
+        names it.  None when this storage declines (then use :meth:`Storage.open_write`).
+
+        Raises:
+            ObjectExists: ``key`` exists.
+        """
+        ...
+
+    def put_after(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        after: Sequence[ObjectWriter],
+        *,
+        if_absent: bool = False,
+    ) -> ObjectInfo:
+        """:meth:`Storage.put` that first makes the committed writers ``after`` (from
+        :meth:`open_unreferenced`) durable, concurrently with ``data`` itself.
+
+        Raises:
+            TypeError: a writer in ``after`` is not an unreferenced writer of this
+                storage.  Otherwise as :meth:`Storage.put`.
+        """
         ...
 
 

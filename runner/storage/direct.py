@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckrun.errors import CheckpointError, ConfigError, StorageError, map_os_error
@@ -74,13 +75,16 @@ class DirectWriter(LocalWriter):
             :mod:`ckrun.storage.probe`; 1 is the classic double buffer (one write in
             flight while the caller fills the other buffer).  Staging memory stays
             about ``2 * STAGE_BYTES`` (32 MiB) whatever the depth.
+        in_place: an unreferenced object under its final key (:class:`LocalWriter`).
 
     Raises:
         ckrun.storage.local.DirectUnsupported: the filesystem refuses ``O_DIRECT``.
     """
 
-    def __init__(self, storage: LocalRoot, key: str, *, depth: int = 1):
-        super().__init__(storage, key, write_behind=False, extra_flags=os.O_DIRECT)
+    def __init__(self, storage: LocalRoot, key: str, *, depth: int = 1, in_place: bool = False):
+        super().__init__(
+            storage, key, write_behind=False, extra_flags=os.O_DIRECT, in_place=in_place
+        )
         self.depth = max(1, depth)
         nbuf = self.depth + 1
         size = max(BLOCK, (2 * STAGE_BYTES // nbuf) // BLOCK * BLOCK)
@@ -156,7 +160,7 @@ class DirectWriter(LocalWriter):
         self.bytes_written += total
         return total
 
-    def commit(self, *, if_absent: bool = False) -> ObjectInfo:
+    def commit(self, *, if_absent: bool = False, after: Sequence[str] = ()) -> ObjectInfo:
         """Write the padded tail, wait, truncate to the real size, then as LocalWriter."""
         if self._fd is None:
             raise StorageError(f"commit of {self.key} after commit/abort")
@@ -179,7 +183,7 @@ class DirectWriter(LocalWriter):
         except StorageError:
             self.abort()
             raise
-        info = super().commit(if_absent=if_absent)
+        info = super().commit(if_absent=if_absent, after=after)
         self._close_pool()
         return ObjectInfo(info.key, info.size_bytes, time.time())
 
@@ -300,7 +304,7 @@ class ArenaWriter(LocalWriter):
             if self._rate:  # optional cap: sleep until the bytes sent fit the rate
                 time.sleep(max(0.0, self._sent / self._rate - (time.monotonic() - self._t0)))
 
-    def commit(self, *, if_absent: bool = False) -> ObjectInfo:
+    def commit(self, *, if_absent: bool = False, after: Sequence[str] = ()) -> ObjectInfo:
         """Write the tail, wait for the I/O thread, truncate, then as LocalWriter."""
         if self._fd is None:
             raise StorageError(f"commit of {self.key} after commit/abort")
@@ -316,7 +320,7 @@ class ArenaWriter(LocalWriter):
         except BaseException:
             self.abort()
             raise
-        info = super().commit(if_absent=if_absent)
+        info = super().commit(if_absent=if_absent, after=after)
         self._pool.shutdown(wait=True)
         return info
 

@@ -2,6 +2,13 @@
 object: temp file in the destination directory, fsync, ``os.replace`` (or ``link(2)`` for
 a conditional create), directory fsync (see :mod:`ckrun.storage.local` for the contract).
 
+An *unreferenced* writer (``in_place=True``, issue 19) writes straight under its final,
+attempt-unique key (``O_EXCL``, no temp name, no rename) and its commit leaves the file
+complete but not yet durable: the paths to fsync are in :attr:`LocalWriter.unsynced`,
+and a later commit given them as ``after`` fsyncs them concurrently with its own data
+(independent durability points: the journal batches them into one commit) before it
+publishes its own name.
+
 :class:`LocalWriter` is the buffered writer; the ``O_DIRECT`` writers of
 :mod:`ckrun.storage.direct` subclass it.
 """
@@ -15,10 +22,12 @@ import hashlib
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from ckrun.errors import ObjectExists, PreconditionFailed, StorageError, map_os_error
 from ckrun.storage.base import ObjectInfo, validate_key
+from ckrun.storage.fsutil import fsync_dir, fsync_paths, make_dirs
 
 __all__ = [
     "TEMP_PREFIX",
@@ -27,6 +36,7 @@ __all__ = [
     "LocalRoot",
     "LocalWriter",
     "fsync_dir",
+    "fsync_paths",
     "make_dirs",
     "object_path",
     "read_versioned",
@@ -57,15 +67,6 @@ def _load_sync_file_range() -> object | None:
 _sync_file_range = _load_sync_file_range()
 
 
-def fsync_dir(path: str) -> None:
-    """fsync the directory ``path`` so its new entries survive a power cut."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class DirectUnsupported(StorageError):
     """The filesystem refused ``O_DIRECT`` (e.g. tmpfs); the caller falls back."""
 
@@ -89,46 +90,31 @@ def object_path(root: str, key: str) -> str:
     return os.path.join(root, *validate_key(key).split("/"))
 
 
-def make_dirs(root: str, d: str, *, sync: bool = True) -> list[str]:
-    """Create ``d`` (under ``root``); returns the parents of the new entries, deepest
-    first, and fsyncs them now unless ``sync`` is False (then the caller must fsync them
-    before relying on ``d``: :meth:`LocalWriter.commit` does, after the file's own
-    fsync, so one journal commit covers the new directories and the file on ext4).
-
-    Raises:
-        StorageError: a directory cannot be created or synced.
-    """
-    missing: list[str] = []
-    cur = d
-    while not os.path.isdir(cur) and cur != root:
-        missing.append(cur)
-        cur = os.path.dirname(cur)
-    created: list[str] = []
-    for m in reversed(missing):
-        try:
-            os.mkdir(m)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise map_os_error(e, path=m) from e
-        created.append(os.path.dirname(m))
-    parents = created[::-1]
-    if sync:
-        for p in parents:
-            fsync_dir(p)
-    return parents
-
-
 class LocalWriter:
     """A streaming write to one key; see :class:`ckrun.storage.base.ObjectWriter`.
+
+    Args:
+        in_place: an unreferenced object (module docstring): written under ``key``
+            itself, created with ``O_EXCL``; :meth:`commit` closes it without an fsync
+            and sets :attr:`unsynced`.  Only for attempt-unique keys that no reader opens
+            until a later, durable object names them (a shard before its manifest).
 
     Attributes:
         key: the destination key.
         bytes_written: bytes written so far.
+        unsynced: after an in-place commit, the paths that must be fsynced before an
+            object naming this one is published (the file, its directory, the parents
+            of directories it created); empty otherwise.
     """
 
     def __init__(
-        self, storage: LocalRoot, key: str, *, write_behind: bool = True, extra_flags: int = 0
+        self,
+        storage: LocalRoot,
+        key: str,
+        *,
+        write_behind: bool = True,
+        extra_flags: int = 0,
+        in_place: bool = False,
     ):
         self.key = key
         self._storage = storage
@@ -136,8 +122,11 @@ class LocalWriter:
         d = os.path.dirname(self._final)
         # new directories are made durable at the commit, after the file (issue 19)
         self._new_dir_parents = make_dirs(storage.root, d, sync=False)
+        self._in_place = in_place
+        self._committed = False
+        self.unsynced: list[str] = []
         name = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(key)}"
-        self._tmp = os.path.join(d, name)
+        self._tmp = self._final if in_place else os.path.join(d, name)
         try:
             self._fd: int | None = os.open(
                 self._tmp,
@@ -147,6 +136,11 @@ class LocalWriter:
         except OSError as e:
             if extra_flags and e.errno == errno.EINVAL:
                 raise DirectUnsupported(f"{d} does not support O_DIRECT") from e
+            if in_place and e.errno == errno.EEXIST:
+                raise ObjectExists(
+                    f"{key} already exists in {storage.url}: an unreferenced object is "
+                    "written only under a fresh (attempt-unique) key"
+                ) from e
             raise map_os_error(e, path=self._final) from e
         self.bytes_written = 0
         self._behind = write_behind and _sync_file_range is not None
@@ -192,14 +186,20 @@ class LocalWriter:
             self._waited = w1
         self._flushed = end
 
-    def commit(self, *, if_absent: bool = False) -> ObjectInfo:
+    def commit(self, *, if_absent: bool = False, after: Sequence[str] = ()) -> ObjectInfo:
         """fsync, rename over the final key, fsync the directory and then the parents of
         directories this writer created (deepest first: on ext4 the file's fsync already
         committed them, so these add no journal commit); returns its info.
 
+        An in-place writer instead closes its file and records :attr:`unsynced`
+        (nothing is fsynced: a later ``commit(after=...)`` makes it durable).
+
         Args:
             if_absent: create only: ``link(2)`` instead of the rename, so an existing
                 key is never replaced; the info then carries the new version token.
+            after: paths (the :attr:`unsynced` of in-place writers) fsynced together
+                with this file's data, all before this object's name is published: what
+                this object names is durable first (:func:`fsync_paths`).
 
         Raises:
             ObjectExists: ``if_absent`` and the key exists (nothing is written).
@@ -208,9 +208,11 @@ class LocalWriter:
         """
         if self._fd is None:
             raise StorageError(f"commit of {self.key} after commit/abort")
+        if self._in_place:
+            return self._commit_unsynced()
         version: str | None = None
         try:
-            version = self._sync(versioned=if_absent)
+            version = self._sync(versioned=if_absent, after=after)
             if if_absent:
                 try:
                     os.link(self._tmp, self._final)
@@ -273,17 +275,37 @@ class LocalWriter:
         assert version is not None
         return ObjectInfo(self.key, self.bytes_written, time.time(), version)
 
-    def _sync(self, *, versioned: bool) -> str | None:
-        """fsync and close the temp file; its version token when ``versioned`` (small
-        conditional objects: the bytes are read back to hash them)."""
+    def _commit_unsynced(self) -> ObjectInfo:
+        """The in-place commit: close the complete file, leave its fsyncs to the object
+        that will name it (:attr:`unsynced`)."""
         assert self._fd is not None
-        os.fsync(self._fd)
+        fd, self._fd = self._fd, None
+        self._committed = True
+        try:
+            os.close(fd)
+        except OSError as e:
+            raise map_os_error(e, path=self._final, nbytes=self.bytes_written) from e
+        self.unsynced = [self._final, os.path.dirname(self._final), *self._new_dir_parents]
+        return ObjectInfo(self.key, self.bytes_written, time.time())
+
+    def _sync(self, *, versioned: bool, after: Sequence[str] = ()) -> str | None:
+        """fsync (with the ``after`` paths, concurrently) and close the temp file; its
+        version token when ``versioned`` (small conditional objects: the bytes are read
+        back to hash them)."""
+        assert self._fd is not None
+        if after:
+            fsync_paths(after, also=self._fd)
+        else:
+            os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
         return read_versioned(self._tmp)[1] if versioned else None  # the fd is write-only
 
     def abort(self) -> None:
-        """Close and remove the temp file; idempotent."""
+        """Close and remove the temp file (an in-place writer: its file, unless it was
+        committed); idempotent."""
+        if self._committed:
+            return
         if self._fd is not None:
             try:
                 os.close(self._fd)

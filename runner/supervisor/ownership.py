@@ -37,7 +37,10 @@ def wait_for_lease_s(cfg: RunConfig, environ: dict[str, str] | None = None) -> f
         return cfg.wait_for_lease_s
     env = os.environ if environ is None else environ
     requeued = env.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0")
-    pod = bool(env.get("KUBERNETES_SERVICE_HOST"))  # every pod start is a (re)boot
+    # every pod start is a (re)boot; a pod as the k8s backend detects one
+    # (:func:`ckrun.scheduler.k8s.current_from_env`): the Downward API's job name that
+    # ckrun's rendered Job gives every pod, or the API server's address
+    pod = bool(env.get("CKRUN_K8S_JOB_NAME") or env.get("KUBERNETES_SERVICE_HOST"))
     return 2 * cfg.lease_ttl_s if cfg.notice_sources or requeued or pod else 0.0
 
 

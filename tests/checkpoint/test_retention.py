@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import ckrun
 import pytest
-from ckrun.checkpoint import retention
+import torch
+from ckrun.checkpoint import layout, retention
+from ckrun.checkpoint.lease import EPOCH_ENV, Lease
+from ckrun.storage.local import LocalStorage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,3 +60,29 @@ def test_final_is_never_deleted(steps: list[int]) -> None:
 def test_keep_last_must_be_positive() -> None:
     with pytest.raises(ValueError):
         retention.select({1: "recovery"}, keep_last=0)
+
+
+def test_orphans_of_a_newer_attempt_are_left_alone_when_fenced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a fenced run (a lease), retention collects shards no manifest names, but never
+    those of a newer attempt than its own: a stale owner must not delete the shard a new
+    owner is writing under its final key before its manifest (issue 19); a dead, older
+    attempt's are collected.  (Unfenced, any attempt's are: test_checkpointer.py.)"""
+    st = LocalStorage(str(tmp_path))
+    lease = Lease(st, "r1", ttl_s=10, clock=lambda: 0.0, sleep=lambda s: None)
+    lease.acquire()
+    monkeypatch.setenv(EPOCH_ENV, str(lease.epoch))
+    newer, older = layout.shard_key(1, 0, 3), layout.shard_key(1, 0, 1)
+    st.put(newer, b"in flight")
+    st.put(older, b"left by a killed save")
+    ck = ckrun.Checkpointer(storage=st, attempt=2, run="r1", rng=False, keep_last=1)
+    ck.save(1, {"w": torch.zeros(4)})
+    ck.save(2, {"w": torch.ones(4)})
+    ck.close()  # joins the retention pass
+    assert st.head(newer) is not None
+    assert st.head(older) is None
+    left = {o.key for o in st.list(layout.CHECKPOINTS)}
+    latest = ck.latest()
+    assert latest is not None and latest.step == 2
+    assert left == {newer, layout.manifest_key(2), *(s.key for s in latest.shards)}, left

@@ -76,7 +76,7 @@ def test_submit_twice_is_a_clear_409(stub: StubApi, tmp_path: Path) -> None:
         sched.submit(_spec())
     msg = str(err.value)
     assert "already exists in namespace 'default'" in msg
-    assert "ckrun cancel default/demo" in msg and "another --run name" in msg
+    assert "`ckrun cancel demo --storage s3://b/runs`" in msg and "another --run name" in msg
 
 
 def test_status_follows_job_and_pods(stub: StubApi, tmp_path: Path) -> None:
@@ -311,7 +311,7 @@ def test_jobset_submit_status_cancel(stub: StubApi, tmp_path: Path) -> None:
         "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets",
     )
     assert req["body"] == sched.manifest(spec)
-    with pytest.raises(SchedulerError, match="ckrun cancel ml/jobset/grp"):
+    with pytest.raises(SchedulerError, match="`ckrun cancel grp --storage s3://b/runs`"):
         sched.submit(spec)
     label = "jobset.sigs.k8s.io/jobset-name"
     t0 = "2026-11-29T08:00:00Z"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from ckrun.errors import InvalidKey, ObjectExists, ObjectNotFound, PreconditionFailed
-from ckrun.storage.base import ObjectWriter, Storage
+from ckrun.storage.base import ObjectWriter, PublishesAfter, Storage
 
 BAD_KEYS = ["../escape", "a/../../b", "/abs/key", "a//b", "a/./b", "", "a\\b", "a/b/", "x\x00"]
 
@@ -347,3 +347,53 @@ def test_read_into_reads_a_byte_range(storage: Storage) -> None:
         storage.read_into("r/obj.bin", len(data) - 10, memoryview(bytearray(20)))
     with pytest.raises(ObjectNotFound):
         storage.read_into("r/missing.bin", 0, memoryview(bytearray(4)))
+
+
+def _unreferenced(storage: Storage) -> PublishesAfter:
+    if not isinstance(storage, PublishesAfter):
+        pytest.skip(f"{storage!r} has no unreferenced objects (optional capability)")
+    return storage
+
+
+@pytest.mark.parametrize("size", [1000, (40 << 20) + 123])
+def test_unreferenced_object_published_after(storage: Storage, size: int) -> None:
+    """An unreferenced object lies under its key at its commit (no temp name, no
+    rename); ``put_after`` publishes the object naming it; both read back whole."""
+    st = _unreferenced(storage)
+    data = os.urandom(size)
+    w = st.open_unreferenced("unref/step/shard-1")
+    assert w is not None
+    for i in range(0, size, 1 << 20):
+        w.write(data[i : i + (1 << 20)])
+    assert w.commit().size_bytes == size
+    w.abort()  # after the commit: nothing to undo, the object stays
+    assert storage.get("unref/step/shard-1") == data
+    st.put_after("unref/step/manifest", b"names shard-1", [w], if_absent=True)
+    assert storage.get("unref/step/manifest") == b"names shard-1"
+    with pytest.raises(ObjectExists):  # still a conditional create
+        st.put_after("unref/step/manifest", b"other", [w], if_absent=True)
+    assert storage.get("unref/step/manifest") == b"names shard-1"
+    assert [o.key for o in storage.list("unref/")] == ["unref/step/manifest", "unref/step/shard-1"]
+
+
+def test_unreferenced_abort_and_fresh_keys(storage: Storage) -> None:
+    """An aborted unreferenced write leaves nothing; its key must be fresh; put_after
+    accepts only committed unreferenced writers."""
+    st = _unreferenced(storage)
+    w = st.open_unreferenced("unref2/a")
+    assert w is not None
+    w.write(b"partial")
+    w.abort()
+    assert storage.head("unref2/a") is None and storage.list("unref2/") == []
+    storage.put("unref2/b", b"x")
+    with pytest.raises(ObjectExists):
+        st.open_unreferenced("unref2/b")
+    assert storage.get("unref2/b") == b"x"
+    pending = st.open_unreferenced("unref2/c")
+    assert pending is not None
+    with pytest.raises(TypeError, match="open_unreferenced"):
+        st.put_after("unref2/m", b"m", [pending])  # not committed yet
+    with pytest.raises(TypeError, match="open_unreferenced"):
+        st.put_after("unref2/m", b"m", [storage.open_write("unref2/d")])
+    assert storage.head("unref2/m") is None
+    pending.abort()

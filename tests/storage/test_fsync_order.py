@@ -8,6 +8,7 @@ the files and directories are real.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import ckrun
@@ -52,24 +53,75 @@ def test_new_directories_are_synced_after_the_file(tmp_path: Path, fsynced: list
     assert st.get("a/b/obj") == b"x" * 10
 
 
-def test_what_a_save_fsyncs_and_when(tmp_path: Path, fsynced: list[str]) -> None:
-    """A synchronous save: shard data, shard directory (then the parents of the new step
-    directory), manifest data, manifest directory — in that order, all before it
-    returns; retention's deletes come later, off the save's return."""
+def test_what_a_save_fsyncs_and_when(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A synchronous save (issue 19): the shard is written under its final key (never
+    renamed, never fsynced alone); then the shard, its directory, the parents of the new
+    step directory and the manifest's temp file are fsynced *concurrently* (all five in
+    flight at once: a barrier of five parties in the fsync wrapper, which a sequential
+    implementation breaks), all done before ``manifest.json`` is linked; after the link
+    only the step directory is fsynced, before the save returns; retention's deletes
+    come later, off the save's return."""
+    events: list[tuple[str, str]] = []
+    linked = threading.Event()
+    barrier = threading.Barrier(5, timeout=30)  # only a failing run waits this long
+    real_fsync, real_link, real_replace = os.fsync, os.link, os.replace
+
+    def rec_fsync(fd: int) -> None:
+        p = os.readlink(f"/proc/self/fd/{fd}")
+        if not linked.is_set():
+            barrier.wait()  # BrokenBarrierError: the five were not in flight together
+        real_fsync(fd)
+        events.append(("fsync", _name(p, tmp_path)))
+
+    def rec_link(src: str, dst: str, **kw: object) -> None:
+        real_link(src, dst, **kw)  # type: ignore[arg-type]
+        events.append(("link", _name(dst, tmp_path)))
+        linked.set()
+
+    def rec_replace(src: str, dst: str, **kw: object) -> None:
+        real_replace(src, dst, **kw)  # type: ignore[arg-type]
+        events.append(("replace", _name(dst, tmp_path)))
+
+    monkeypatch.setattr(local_writer.os, "fsync", rec_fsync)  # type: ignore[attr-defined]
+    monkeypatch.setattr(local_writer.os, "link", rec_link)  # type: ignore[attr-defined]
+    monkeypatch.setattr(local_writer.os, "replace", rec_replace)  # type: ignore[attr-defined]
     ck = ckrun.Checkpointer(str(tmp_path), rng=False, lock=False, keep_last=1)
     state = {"w": torch.arange(1000.0)}
-    ck.save(1, state)
-    shard = layout.shard_key(1, 0, 0)
+    m = ck.save(1, state)
+    shard = m.shards[0].key
     step_dir = os.path.dirname(shard)
     man = layout.manifest_key(1)
     assert os.path.dirname(man) == step_dir and shard.endswith(".ckpt")
-    got = [_name(p, tmp_path) for p in fsynced]
-    assert got == [
-        os.path.join(step_dir, "<tmp>shard"),
-        step_dir,
-        os.path.dirname(step_dir),
-        ".",
-        os.path.join(step_dir, "<tmp>" + os.path.basename(man)),
-        step_dir,
-    ], got
+    before, after = events[:5], events[5:]
+    assert sorted(before) == sorted(
+        [
+            ("fsync", shard),
+            ("fsync", step_dir),
+            ("fsync", os.path.dirname(step_dir)),
+            ("fsync", "."),
+            ("fsync", os.path.join(step_dir, "<tmp>" + os.path.basename(man))),
+        ]
+    ), events
+    assert after == [("link", man), ("fsync", step_dir)], events
     ck.close()
+
+
+def test_a_failed_manifest_leaves_the_shard_unreferenced(tmp_path: Path) -> None:
+    """A save whose manifest cannot be created leaves its in-place shard as an orphan
+    (no manifest names it: load never sees it), and a later save's retention collects
+    it (the commit protocol's crash state after the shard, before the manifest)."""
+    st = LocalStorage(str(tmp_path))
+    ck = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=1)
+    st.put(layout.manifest_key(1), b"{not json")  # corrupt, and made undeletable below
+    real_delete = st.delete
+    st.delete = lambda keys: None  # type: ignore[method-assign]
+    with pytest.raises(ckrun.errors.CheckpointError):
+        ck.save(1, {"w": torch.arange(10.0)})
+    orphans = [o.key for o in st.list("checkpoints/") if o.key.endswith(".ckpt")]
+    assert len(orphans) == 1, orphans
+    st.delete = real_delete  # type: ignore[method-assign]
+    st.delete([layout.manifest_key(1)])
+    ck.save(2, {"w": torch.arange(10.0)})
+    ck.close()  # joins the retention pass
+    left = [o.key for o in st.list("checkpoints/")]
+    assert orphans[0] not in left and len(left) == 2, left

@@ -361,10 +361,18 @@ def test_a_moved_run_directory_resumes_from_its_own_checkpoints(
 def test_plain_script_finishing_after_a_notice_is_completed_not_restarted(
     tmp_path: Path, procs: Start
 ) -> None:
+    # The script finishes once its TERM came (the real event), or after 20 s, well before
+    # the 60 s grace's own TERM: a notice delivered late fails the assertions below
+    # instead of racing a fixed sleep in the script (which a loaded machine lost).
     prog = (
         "import signal, time\n"
-        "signal.signal(signal.SIGTERM, lambda *a: print('got TERM', flush=True))\n"
-        "print('up', flush=True); time.sleep(1.5); print('finished', flush=True)\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda *a: got.append(print('got TERM', flush=True)))\n"
+        "print('up', flush=True)\n"
+        "end = time.monotonic() + 20\n"
+        "while not got and time.monotonic() < end:\n"
+        "    time.sleep(0.01)\n"
+        "print('finished', flush=True)\n"
     )
     sup = procs(["submit", "--run", "plain", "--storage", "runs", "--", PY, "-c", prog], tmp_path)
     sup.wait_line("^up$")

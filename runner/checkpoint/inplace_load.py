@@ -1,0 +1,478 @@
+"""Loading a format-2 checkpoint straight into the live tensors (issue 19, "load at read
+speed"), and the commit protocol that keeps a failed load from leaving a half-loaded
+state in use.
+
+Reading: every global tensor of the manifest's layout (:mod:`ckrun.checkpoint.sharding`)
+whose current tensor exists with the same shape and dtype in contiguous CPU memory (model
+parameters and buffers, optimizer state already initialised, plain tensors of the state)
+is read straight into that tensor's memory: each saved piece is one ranged read
+(``Storage.read_into``: ``preadv`` locally, a ``Range`` GET on S3) into the byte range
+of the destination it covers, and the piece's CRC32C (recorded in the manifest) is
+computed right after its bytes arrive, while they are still in cache.  :data:`READ_DEPTH`
+reads are in flight, in file order.  A tensor with no such destination (the optimizer
+state before its first step, a dtype or shape change the compat gate allowed, a
+non-contiguous view, tensors sharing memory) is read into a fresh tensor as before; a
+DTensor target keeps the resharding path of :mod:`ckrun.checkpoint.reshard`.  Optimizer
+state is matched by parameter name, as :func:`ckrun.checkpoint.signature.remap_optimizer`
+re-keys it, so the state of parameter ``model.blocks.3.w`` lands in that parameter's own
+``exp_avg`` even when the parameters were reordered.
+
+The bytes of a fresh tensor are verified before the state sees them; those read in place
+are not (that is the point: no second copy).  So an in-place load is a transaction over
+the live tensors, recorded on the commit context
+(:attr:`ckrun.checkpoint.pipeline.CommitContext.dirty`):
+
+1. before the first byte of a checkpoint lands in a live tensor, that tensor is recorded
+   as written by the attempt;
+2. when any piece of the checkpoint fails its check (CRC32C mismatch, missing or
+   truncated shard), every tensor the attempt wrote becomes *dirty*, and the load falls
+   back to the next older checkpoint, as a corrupt checkpoint always did (DESIGN.md §3);
+   that older checkpoint is read in place over the same tensors;
+3. a successful, verified attempt cleans the tensors it rewrote; after its ``restore``,
+   a dirty tensor that is still part of the state means the older checkpoint did not
+   cover it (it lacked that tensor), and the load raises :class:`StateUnusable`;
+4. when no older checkpoint is left and a tensor is dirty, the load raises
+   :class:`StateUnusable` too (instead of returning None and training from a
+   half-loaded model).
+
+So the answer to "a checksum failure mid-load" is: **restore the previous good
+checkpoint over it; when none covers it, stop the process** (StateUnusable is a
+CheckpointError: exit status 5, an ordinary failure the supervisor restarts within its
+budgets — a fresh process reads the checkpoints again; a persistently damaged only
+checkpoint ends in the supervisor's crash-loop stop, with the damaged step named, so
+the operator can move it aside).  Until a later load cleans them, every save of this
+Checkpointer refuses (:func:`ckrun.checkpoint.pipeline.begin`), so a half-loaded state
+is never committed.  With more than one rank every decision is collective (all ranks fall
+back and stop together).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import torch
+from ckrun.checkpoint import shard as fmt
+from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.pipeline import CommitContext
+from ckrun.checkpoint.reshard import target_for
+from ckrun.checkpoint.sharding import dtensor_type, tensor_paths
+from ckrun.checkpoint.state import capture
+from ckrun.errors import CorruptCheckpoint, ObjectNotFound, StateUnusable
+from ckrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+READ_DEPTH = 4  # ranged reads in flight (measured: 4 saturates a virtio disk, 2 cores)
+
+
+# -- destinations --------------------------------------------------------------------
+
+
+def _live(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a captured tree (mappings, lists and tuples walked)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for v in tree.values():
+            yield from _live(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _live(v)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def live_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Current name (:func:`ckrun.checkpoint.sharding.tensor_paths`) → the live tensor
+    whose own memory can receive a checkpoint's bytes: dense, contiguous, on the CPU, not
+    a DTensor, not empty, and not overlapping another one (tied weights, views of one
+    flat buffer: the first name keeps it, the others get fresh tensors)."""
+    tree = capture(state, rng=False)
+    dtensor = dtensor_type()
+    own = {
+        t.data_ptr()
+        for t in _live(tree)
+        if t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.numel()
+        and (dtensor is None or not isinstance(t, dtensor))
+    }
+    snap = fmt.snapshot(tree)  # non-contiguous tensors become copies: not in ``own``
+    out: dict[str, torch.Tensor] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, t in zip(tensor_paths(snap.tree), snap.tensors, strict=True):
+        if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() in own:
+            spans.append((t.data_ptr(), t.data_ptr() + _nbytes(t), name))
+            out[name] = t
+    end = 0
+    for lo, hi, name in sorted(spans):
+        if lo < end:
+            out.pop(name)  # overlaps a tensor already taken
+        end = max(end, hi)
+    return out
+
+
+def _index_map(saved: list[list[str | None]] | None, cur: list[list[str | None]] | None) -> Any:
+    """Current flat parameter index → saved flat index, by parameter name (as
+    :func:`ckrun.checkpoint.signature.remap_optimizer`), or None: positional."""
+    if not saved or not cur:
+        return None
+    fs = [n for g in saved for n in g]
+    fc = [n for g in cur for n in g]
+    if None in fs or None in fc or len(set(fs)) != len(fs) or fs == fc:
+        return None
+    at = {n: j for j, n in enumerate(fs)}
+    return {k: at.get(n) for k, n in enumerate(fc)}
+
+
+def destinations(
+    state: Mapping[str, Any], m: Manifest, current_signature: Mapping[str, Any] | None
+) -> dict[str, torch.Tensor]:
+    """Saved global tensor name of ``m`` → the live tensor it is read into in place
+    (same shape, dtype; see :func:`live_tensors`).  Optimizer state names are
+    translated from the current parameter order to the saved one by parameter name
+    (the manifest's and the current signature's ``optimizers``)."""
+    if m.tensor_layout is None:
+        return {}
+    specs: Mapping[str, Any] = m.tensor_layout.get("tensors", {})
+    saved_opt = (m.signature or {}).get("optimizers") or {}
+    cur_opt = (current_signature or {}).get("optimizers") or {}
+    maps = {p: _index_map(saved_opt.get(p), cur_opt.get(p)) for p in cur_opt}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in live_tensors(state).items():
+        saved_name = _saved_name(name, maps)
+        if saved_name is None or saved_name in out or saved_name not in specs:
+            continue
+        spec = specs[saved_name]
+        dtype = fmt.DTYPES.get(spec.get("dtype", ""))
+        if dtype == t.dtype and list(spec.get("shape", ())) == list(t.shape):
+            out[saved_name] = t
+    return out
+
+
+def _saved_name(name: str, maps: Mapping[str, Any]) -> str | None:
+    """The saved name of current tensor ``name`` (``user.<opt>.state.<k>.<key>`` with
+    ``k`` re-keyed by parameter name), or None when the checkpoint has no state for it."""
+    for path, mp in maps.items():
+        prefix = f"user.{path}.state."
+        if mp is None or not name.startswith(prefix):
+            continue
+        idx, _, rest = name[len(prefix) :].partition(".")
+        if not idx.isdigit():
+            return name
+        j = mp.get(int(idx))
+        return None if j is None else f"{prefix}{j}.{rest}" if rest else f"{prefix}{j}"
+    return name
+
+
+# -- reading ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    key: str
+    begin: int
+    buf: memoryview
+    crc: str
+    what: str
+    name: str
+    dest: torch.Tensor
+    inplace: bool
+    copy_to: torch.Tensor | None = None  # a non-row piece: read here, then copy into dest
+    piece: torch.Tensor | None = None
+
+
+def read_globals(
+    storage: Storage,
+    m: Manifest,
+    *,
+    into: Mapping[str, torch.Tensor],
+    skip: Callable[[str], bool],
+    written: MutableMapping[int, tuple[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """Every global tensor of ``m`` (but those ``skip`` names), read and verified piece
+    by piece: into ``into[name]`` in place when given, else into a fresh tensor.
+
+    Args:
+        into: saved name → live destination (:func:`destinations`).
+        skip: names left to the resharding path (DTensor targets).
+        written: filled with ``data_ptr → (name, tensor)`` of each live destination
+            before its first byte is written (the transaction record, module docstring).
+
+    Returns:
+        Name → tensor holding its verified bytes (the destination itself when in place).
+
+    Raises:
+        CorruptCheckpoint: a missing or truncated shard, a CRC32C mismatch of a piece, a
+            layout that does not cover a tensor (the message names the key and tensor).
+        StorageError: the storage failed otherwise.
+    """
+    lay = m.tensor_layout
+    assert lay is not None
+    keys = {s.rank: s for s in m.shards}
+    out: dict[str, torch.Tensor] = {}
+    jobs: list[_Job] = []
+    for name, spec in lay["tensors"].items():
+        if skip(name):
+            continue
+        dtype = fmt.DTYPES.get(spec["dtype"])
+        if dtype is None:
+            raise CorruptCheckpoint(f"{m.key}: unknown dtype of {name}", key=m.key, step=m.step)
+        shape = list(spec["shape"])
+        dest = into.get(name)
+        inplace = dest is not None
+        if dest is None:
+            dest = torch.empty(shape, dtype=dtype)
+        out[name] = dest
+        jobs += _jobs(m, keys, name, spec, dest, inplace, lay)
+    for rank in sorted({r for r in keys if any(j.key == keys[r].key for j in jobs)}):
+        s = keys[rank]
+        info = storage.head(s.key)
+        if info is None or info.size_bytes != s.size_bytes:
+            got = "missing" if info is None else f"{info.size_bytes} bytes"
+            raise CorruptCheckpoint(
+                f"{s.key}: {got}, manifest says {s.size_bytes} bytes (truncated)",
+                key=s.key,
+                step=m.step,
+            )
+    jobs.sort(key=lambda j: (j.key, j.begin))
+
+    def run(j: _Job) -> None:
+        if j.inplace and j.dest.data_ptr() not in written:
+            written[j.dest.data_ptr()] = (j.name, j.dest)
+        _read(storage, m, j)
+
+    if len(jobs) <= 1:
+        for j in jobs:
+            run(j)
+        return out
+    with ThreadPoolExecutor(READ_DEPTH) as pool:
+        futs: list[Future[None]] = [pool.submit(run, j) for j in jobs]
+        done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+        for f in futs:
+            f.cancel()  # not started yet: never started (running ones finish)
+        for f in futs:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+    return out
+
+
+def _jobs(
+    m: Manifest,
+    keys: Mapping[int, Any],
+    name: str,
+    spec: Mapping[str, Any],
+    dest: torch.Tensor,
+    inplace: bool,
+    lay: Mapping[str, Any],
+) -> list[_Job]:
+    shape = list(spec["shape"])
+    flat = fmt.bytes_view(dest) if dest.numel() else memoryview(b"")
+    row = (math.prod(shape[1:]) if shape else 1) * dest.element_size()
+    jobs, covered = [], 0
+    for rank, entry, po, pl in spec["pieces"]:
+        if rank not in keys:
+            raise CorruptCheckpoint(f"{m.key}: {name} names rank {rank}", key=m.key, step=m.step)
+        b, e, crc = lay["shards"][rank]["entries"][entry]
+        n = math.prod(pl) * dest.element_size()
+        if e - b != n or len(po) != len(shape) or len(pl) != len(shape):
+            raise CorruptCheckpoint(
+                f"{keys[rank].key}: entry {entry} is {e - b} bytes, expected {n}",
+                key=keys[rank].key,
+                step=m.step,
+            )
+        covered += math.prod(pl)
+        key = keys[rank].key
+        if not shape or (list(pl[1:]) == shape[1:] and not any(po[1:])):
+            lo = (po[0] if shape else 0) * row
+            if lo + n > len(flat):
+                raise CorruptCheckpoint(f"{key}: piece {entry} outside {name}", key=key)
+            jobs.append(_Job(key, b, flat[lo : lo + n], crc, entry, name, dest, inplace))
+        else:  # a box of other dimensions: read whole, verify, then copy into place
+            piece = torch.empty(pl, dtype=dest.dtype)
+            box = dest[tuple(slice(o, o + k) for o, k in zip(po, pl, strict=True))]
+            jobs.append(
+                _Job(key, b, fmt.bytes_view(piece), crc, entry, name, dest, inplace, box, piece)
+            )
+    if covered != math.prod(shape):
+        raise CorruptCheckpoint(
+            f"{m.key}: the pieces of {name} cover {covered} of the {math.prod(shape)} "
+            "elements needed",
+            key=m.key,
+            step=m.step,
+        )
+    return jobs
+
+
+def _read(storage: Storage, m: Manifest, j: _Job) -> None:
+    """One verified ranged read: the bytes land, then their CRC32C (still in cache)."""
+    if len(j.buf):
+        try:
+            storage.read_into(j.key, j.begin, j.buf)
+        except ObjectNotFound as e:
+            raise CorruptCheckpoint(f"{j.key}: missing ({e})", key=j.key, step=m.step) from e
+    got = f"crc32c:{crc32c.crc32c(j.buf):08x}" if len(j.buf) else "crc32c:00000000"
+    if got != j.crc:
+        raise CorruptCheckpoint(
+            f"{j.key}: checksum mismatch in {j.what} (CRC32C mismatch: manifest {j.crc}, "
+            f"read {got})",
+            key=j.key,
+            step=m.step,
+        )
+    if j.copy_to is not None and j.piece is not None:
+        with torch.no_grad():
+            j.copy_to.copy_(j.piece)
+
+
+# -- the transaction over the live tensors ---------------------------------------------
+
+
+class Transaction:
+    """One :meth:`ckrun.Checkpointer.load`'s record of the live tensors it writes (see
+    the module docstring; the dirty set itself lives on the commit context, so it
+    outlasts a load that raised)."""
+
+    def __init__(self, ctx: CommitContext):
+        self.ctx = ctx
+        self.written: dict[int, tuple[str, torch.Tensor]] = {}  # by the current attempt
+        self.failed_step: int | None = None  # newest checkpoint that failed after writing
+        # every rank knows these alike (fall-backs are collective): they decide whether
+        # the collective checks of restored()/exhausted() run
+        self.fell_back = False
+        self.started_unusable = bool(ctx.unusable)
+        self.healed = 0  # dirty tensors the restored checkpoint rewrote
+
+    def attempt(self) -> MutableMapping[int, tuple[str, torch.Tensor]]:
+        """Start reading one checkpoint; returns the record :func:`read_globals` fills."""
+        self.written = {}
+        return self.written
+
+    def failed(self, step: int) -> None:
+        """The attempt's checkpoint failed verification: what it wrote is dirty."""
+        self.fell_back = True
+        if self.written:
+            self.ctx.dirty.update(self.written)
+            if self.failed_step is None:
+                self.failed_step = step
+        self.written = {}
+
+    def aborted(self, why: BaseException) -> None:
+        """The load raised (storage error, a restore that does not fit): what the
+        attempt wrote is dirty, and the state is unusable until a load cleans it."""
+        self.ctx.dirty.update(self.written)
+        self.written = {}
+        if self.ctx.dirty:
+            self.ctx.unusable = _message(f"the load stopped ({type(why).__name__}: {why})")
+
+    def restored(self, state: Mapping[str, Any], step: int) -> None:
+        """The attempt's checkpoint verified and was restored: it cleans what it
+        rewrote; a dirty tensor still in the state makes the state unusable.
+
+        Raises:
+            StateUnusable: a tensor written by a failed attempt is still in use.
+        """
+        self.healed = sum(1 for p in self.written if p in self.ctx.dirty)
+        for ptr in self.written:
+            self.ctx.dirty.pop(ptr, None)
+        self.written = {}
+        if not self.fell_back and not self.started_unusable:
+            if not self.ctx.dirty:
+                self.ctx.unusable = None
+            return
+        live = {t.data_ptr() for t in _live(capture(state, rng=False))}
+        left = sorted(n for p, (n, _) in self.ctx.dirty.items() if p in live)
+        why = (
+            f"checkpoint step {step} does not overwrite {', '.join(left[:5])}"
+            + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+            + f", which the damaged checkpoint step {self.failed_step} had partly written"
+            if left
+            else ""
+        )
+        ok, whys = self.ctx.group.all_ok(not left, why)  # symmetric: every rank failed
+        if ok:
+            if self.healed:
+                log.warning(
+                    "checkpoint step %s failed verification after %d tensors were read "
+                    "in place; checkpoint step %d was restored over every one of them",
+                    self.failed_step,
+                    self.healed,
+                    step,
+                )
+            self.ctx.dirty.clear()
+            self.ctx.unusable = None
+            return
+        self._unusable("; ".join(whys))
+
+    def exhausted(self) -> None:
+        """No checkpoint is left to restore.
+
+        Raises:
+            StateUnusable: a failed attempt wrote into live tensors (module docstring).
+        """
+        if not self.fell_back:
+            return
+        n = len(self.ctx.dirty)
+        ok, whys = self.ctx.group.all_ok(
+            not n, f"{n} tensors partly hold checkpoint step {self.failed_step}"
+        )
+        if not ok:
+            self._unusable(
+                "; ".join(whys) + " and no older checkpoint is left to restore over them"
+            )
+
+    def _unusable(self, why: str) -> None:
+        self.ctx.unusable = _message(why)
+        raise StateUnusable(self.ctx.unusable)
+
+
+def _message(why: str) -> str:
+    return (
+        f"the state in memory is unusable: {why}.  A checkpoint failed verification after "
+        "its bytes were read in place into the live tensors; this process stops (the "
+        "supervisor restarts it and a fresh process reads the checkpoints again) and "
+        "nothing is saved from this state.  If a checkpoint is damaged on storage, "
+        "`ckrun verify` names it: move its step directory aside to resume from an "
+        "older one"
+    )
+
+
+def bulk_reader(
+    ctx: CommitContext,
+    state: Mapping[str, Any],
+    m: Manifest,
+    want: Mapping[str, Any],
+    written: MutableMapping[int, tuple[str, torch.Tensor]],
+) -> Callable[[], Mapping[str, Any]] | None:
+    """The ``bulk`` step of :func:`ckrun.checkpoint.reshard.load_tree` for ``m``: its
+    global tensors read in place where possible (:func:`read_globals`); None when ``m``
+    is format 1 or was saved on another world size (the resharding path then reads
+    every tensor into fresh memory and verifies it before the state sees it)."""
+    if m.tensor_layout is None or m.world_size != ctx.world_size:
+        return None
+    into = destinations(state, m, ctx.signature)
+    dtensor = dtensor_type()
+
+    def skip(name: str) -> bool:
+        return dtensor is not None and isinstance(target_for(want, name), dtensor)
+
+    def bulk() -> Mapping[str, Any]:
+        out = read_globals(ctx.storage, m, into=into, skip=skip, written=written)
+        inplace = sum(_nbytes(t) for t in into.values())
+        log.info(
+            "checkpoint step %d: %d of %d tensors (%d bytes) read in place",
+            m.step,
+            len(into),
+            len(out),
+            inplace,
+        )
+        return out
+
+    return bulk
