@@ -6,6 +6,8 @@ fixed generator (a noisy counting task), shuffled by the Trainer's own
 
     ckrun submit examples/train_hf.py --chaos-preempt-every 20s -- --steps 60
 
+Under ``ckrun submit --nproc-per-node 2`` (torchrun) it trains with DDP over gloo.
+
 Options: ``--steps`` (optimizer steps), ``--out`` (the Trainer's output_dir, default
 ``$CKRUN_STORAGE/hf-out`` under the supervisor, else ``hf-out``), ``--no-ckrun`` (train
 without the integration: check-resume then fails, as it should), ``--ignore-data-skip``
@@ -86,6 +88,8 @@ def main() -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
         ignore_data_skip=a.ignore_data_skip,
+        # under torchrun (``ckrun submit --nproc-per-node 2``): DDP over gloo on CPU
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)  # dropout 0.1: every step draws from the torch RNG

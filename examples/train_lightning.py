@@ -6,6 +6,8 @@ callback and the resume line::
 
     ckrun submit examples/train_lightning.py --chaos-preempt-every 20s -- --steps 80
 
+Under ``ckrun submit --nproc-per-node 2`` (torchrun) it trains with DDP (gloo on CPU).
+
 Options: ``--steps`` (optimizer steps; 4 epochs of 16 batches by default), ``--root``
 (Lightning's ``default_root_dir``, default ``$CKRUN_STORAGE/pl`` under the supervisor),
 ``--no-ckrun`` (no integration: check-resume then fails, as it should),
@@ -77,7 +79,9 @@ def main() -> None:
         max_steps=a.steps,
         default_root_dir=root,
         accelerator="cpu",
-        devices=1,
+        # under torchrun (``ckrun submit --nproc-per-node 2``): one DDP process per rank
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

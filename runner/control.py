@@ -208,7 +208,11 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 
 def install_signal_handlers(force: bool = False) -> bool:
-    """Make SIGTERM and the notice signal set the preemption flag.
+    """Make SIGTERM, the notice signal and SIGHUP set the preemption flag.
+
+    SIGHUP is what the supervisor forwards when its terminal hangs up (an SSH session
+    that drops under a foreground ``ckrun submit``); by default it would end the process
+    at once and lose the work since the last checkpoint, so it is a notice here too.
 
     Installed only in the main thread, and only when running under the supervisor
     (``CKRUN_CONTROL_DIR`` set) unless ``force``: outside the supervisor nobody would
@@ -222,7 +226,7 @@ def install_signal_handlers(force: bool = False) -> bool:
     _follow_parent()
     if threading.current_thread() is not threading.main_thread():
         return bool(_installed)
-    for sig in (signal.SIGTERM, notice_signal()):
+    for sig in (signal.SIGTERM, notice_signal(), signal.SIGHUP):
         if sig not in _installed:
             signal.signal(sig, _handler)
             _installed.add(sig)

@@ -30,6 +30,7 @@ path free of disk flushes (about 6 ms each here).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Mapping
@@ -68,7 +69,12 @@ class EventLog:
     """
 
     def __init__(
-        self, path: str, run: str, attempt: int = 0, *, fallback: IO[str] | None = None
+        self,
+        path: str,
+        run: str,
+        attempt: int = 0,
+        *,
+        fallback: IO[str] | io.TextIOBase | None = None,
     ) -> None:
         self.path = path
         self.run = run

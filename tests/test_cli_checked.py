@@ -117,3 +117,28 @@ def test_status_html_to_an_unwritable_path_names_it(tmp_path: Path) -> None:
     assert r.returncode == 2 and f"--html {bad}: cannot write it" in r.stderr, r.stderr
     r = cli(["status", "done", "--storage", str(runs), "--watch", "--every", "0"], tmp_path)
     assert r.returncode == 2 and "--every" in r.stderr
+
+
+def test_a_missing_script_is_refused_before_a_run_exists(tmp_path: Path) -> None:
+    """`ckrun submit train_charlmm.py` (a typo) used to create the run, start the child
+    twice and end in a crash loop; now it names the closest script and creates nothing."""
+    (tmp_path / "train_charlm.py").write_text("print('hi')\n")
+    r = cli(["submit", "train_charlmm.py", "--run", "t", "--storage", "runs"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "script 'train_charlmm.py' not found" in r.stderr, r.stderr
+    assert "did you mean 'train_charlm.py'?" in r.stderr, r.stderr
+    assert "started" not in r.stderr and not (tmp_path / "runs").exists(), r.stderr
+
+
+def test_a_misspelled_run_name_suggests_the_closest_run(tmp_path: Path) -> None:
+    assert (
+        cli(["submit", "--run", "charlm", "--storage", "runs", "--", "true"], tmp_path).returncode
+        == 0
+    )
+    for cmd in ("status", "logs", "preempt", "cancel"):
+        r = cli([cmd, "charml", "--storage", "runs"], tmp_path)
+        assert r.returncode == 2, (cmd, r.stderr)
+        assert "no run 'charml'" in r.stderr and "(did you mean 'charlm'?)" in r.stderr, (
+            cmd,
+            r.stderr,
+        )

@@ -23,13 +23,18 @@ finished before ``concurrent.futures`` shuts down (see :func:`_at_exit`); an uno
 failure is then printed.  ``os._exit`` or a signal that kills the process skips this: the
 previous checkpoint stays the newest.
 
-The worker lowers its CPU priority (``nice`` +10 on its own thread id, or
-``CKRUN_PERSIST_NICE``; threads it starts, such as the O_DIRECT writer's, inherit it) and
-its I/O priority (``ioprio_set`` best-effort class, level 7; only the BFQ scheduler
-honours it), so a training loop keeps the CPUs while the persist waits on the disk.
-Measured (bench/README.md, 1 GiB, 2 cores): a matmul loop keeps ~83 % of its throughput
-at nice 10 (the persist takes ~1.0 s instead of 0.5 s meanwhile), ~71 % at nice 0 and
-~97 % at nice 19 (but the persist then takes ~4.7 s).
+The worker lowers its priority at the start of every persist
+(:func:`ckrun.storage.priority.lower`): ``SCHED_IDLE`` (``CKRUN_PERSIST_SCHED=idle``,
+the default; ``other`` keeps the normal policy) on top of ``nice`` 10
+(``CKRUN_PERSIST_NICE``), and the I/O priority; threads it starts, such as the O_DIRECT
+writer's, inherit both.  A training loop then keeps the CPUs: the persist's CRC and
+system calls run in the loop's gaps.  Whoever waits for the persist (``result()``, the
+next save, ``wait()``, ``close()``, an emergency save) first raises its threads back to
+the normal policy (:func:`ckrun.storage.priority.raise_waited`), so a waited-for persist
+never starves behind other busy processes, and one nobody waits for is raised after
+``CKRUN_PERSIST_IDLE_S`` (10 s; :mod:`ckrun.checkpoint.persist_policy`), so an async
+save's durability lag stays bounded.  Measured in bench/README.md ("compute kept
+during the persist").
 
 Emergency saves: a synchronous ``save`` while a save is in flight reads the notice
 (``ckrun.control_files.read_notice``) and waits for the in-flight save.  If the deadline then
@@ -43,11 +48,8 @@ from __future__ import annotations
 
 import atexit
 import copy
-import ctypes
 import dataclasses
 import logging
-import os
-import platform
 import sys
 import threading
 import time
@@ -61,9 +63,11 @@ from ckrun.checkpoint import pipeline
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.lazy_snapshot import LazySnapshot
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
+from ckrun.checkpoint.persist_policy import idle_limit_s, lag_bound, persist_sched
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
 from ckrun.checkpoint.sharding import Planned
 from ckrun.errors import CheckpointError
+from ckrun.storage import priority
 
 __all__ = ["AsyncSaveHandle", "AsyncSaver", "SaveHandle", "check_step", "warn_sync_fallback"]
 
@@ -73,24 +77,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RATE = 200e6
 #: Margin on estimated durations when deciding whether a deadline allows a new save.
 SAFETY = 1.5
-PERSIST_NICE = 10
-_IOPRIO_SYSCALL = {"x86_64": 251, "aarch64": 30}
-
-
-def lower_priority(nice: int = PERSIST_NICE) -> None:
-    """Lower the calling thread's CPU (``nice``) and I/O priority; best effort."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except (AttributeError, OSError):
-        pass
-    nr = _IOPRIO_SYSCALL.get(platform.machine())
-    if nr is None:
-        return
-    try:  # ioprio_set(IOPRIO_WHO_PROCESS, tid, IOPRIO_PRIO_VALUE(IOPRIO_CLASS_BE, 7))
-        ctypes.CDLL(None, use_errno=True).syscall(nr, 1, tid, (2 << 13) | 7)
-    except (OSError, AttributeError):
-        pass
+PERSIST_NICE = priority.PERSIST_NICE
 
 
 class AsyncSaveHandle(SaveHandle):
@@ -110,8 +97,11 @@ class AsyncSaveHandle(SaveHandle):
         self.observed = False
 
     def result(self, timeout: float | None = None) -> Manifest:
-        """Wait (at most ``timeout`` s) for the commit; re-raises the worker's error."""
+        """Wait (at most ``timeout`` s) for the commit; re-raises the worker's error.
+        The persist's threads leave ``SCHED_IDLE`` first (module docstring)."""
         self.observed = True
+        if not self._future.done():
+            priority.raise_waited()
         return super().result(timeout)
 
     def error(self) -> BaseException | None:
@@ -142,9 +132,10 @@ class AsyncSaver:
         self._ctx = ctx
         self._compat_block = compat_block
         self.buffers = HostBuffers()
-        self._pool = ThreadPoolExecutor(
-            1, thread_name_prefix="ckrun-persist", initializer=lower_priority, initargs=(nice,)
-        )
+        self.nice, self.idle = nice, persist_sched()
+        self.idle_limit_s = idle_limit_s()  # SCHED_IDLE lag bound (persist_policy)
+        self.policy: str | None = None  # the worker's policy during the last persist
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckrun-persist")
         self._inflight: AsyncSaveHandle | None = None
         self._lazy: LazySnapshot | None = None  # the lazy copy of the save in flight
         self._copier: ThreadPoolExecutor | None = None  # its thread (first lazy save)
@@ -219,21 +210,23 @@ class AsyncSaver:
         lz: LazySnapshot | None = None,
     ) -> Manifest:
         t0 = time.monotonic()
-        open_shard = self.buffers.writer_for(self._ctx.storage)
-        if lz is not None:  # every tensor copied (by the copier or a step's hook), checked
-            lz.wait()
-            open_shard = lz.verified(open_shard or self._ctx.storage.open_write)
-        m = pipeline.persist(
-            self._ctx,
-            step,
-            snap,
-            kind=kind,
-            compat=compat,
-            metrics=metrics,
-            created_utc=created,
-            started=started,
-            open_shard=open_shard,
-        )
+        self.policy = priority.lower(self.nice, idle=self.idle)  # raised by a waiter
+        with lag_bound(self.policy, self.idle_limit_s, step):
+            open_shard = self.buffers.writer_for(self._ctx.storage)
+            if lz is not None:  # every tensor copied (by the copier or a hook), checked
+                lz.wait()
+                open_shard = lz.verified(open_shard or self._ctx.storage.open_write)
+            m = pipeline.persist(
+                self._ctx,
+                step,
+                snap,
+                kind=kind,
+                compat=compat,
+                metrics=metrics,
+                created_utc=created,
+                started=started,
+                open_shard=open_shard,
+            )
         self.last_persist_s = time.monotonic() - t0
         self.last_durable_s = time.monotonic() - started
         pipeline.retain(self._ctx, m)
@@ -251,6 +244,8 @@ class AsyncSaver:
         if h is None:
             return None
         self._inflight = None
+        if not h._future.done():
+            priority.raise_waited()
         err = h._future.exception()  # waits
         if self._lazy is not None:  # the copies are done: no hook is needed any more
             self._lazy.close()
@@ -389,6 +384,7 @@ def _drain_at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
     h = saver.inflight()
     notice = read_notice() if h is not None else None
     if h is not None and notice is not None:
+        priority.raise_waited()
         left = max(0.0, notice.seconds_left())
         try:
             h._future.exception(timeout=left)

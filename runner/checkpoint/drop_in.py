@@ -215,7 +215,7 @@ def _from_run(path: str, err: Exception) -> dict[str, Any]:
     fs = fileset.newest(open_storage(os.environ["CKRUN_STORAGE"]), prefix=_name(path))
     if fs is None or _name(path) not in fs.files:
         raise err
-    fileset.write_atomic(path, fs.files[_name(path)])
+    fs.extract(_name(path), path)
     return _read_file(path)
 
 

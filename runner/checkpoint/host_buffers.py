@@ -4,8 +4,10 @@
 is allocated once and reused while the state's layout fits.  Each tensor sits at the
 offset it has in the shard's data region (:func:`ckrun.checkpoint.st_format.table`:
 packed by decreasing element size), so the arena *is* the data region of the file.  The arena is
-page-aligned anonymous memory (``mmap``), or pinned memory (``cudaHostAlloc``, also page
-aligned) when a tensor lives on a GPU.
+anonymous memory on transparent huge pages (:func:`ckrun.storage.hugepages.hugepage_arena`:
+4 MiB ``O_DIRECT`` requests instead of 1 MiB ones, 6-10x less system CPU and ~30x fewer
+disk interrupts per GiB here), or pinned memory (``cudaHostAlloc``, page aligned) when a
+tensor lives on a GPU.
 
 :class:`~ckrun.storage.direct.ArenaWriter` is the shard writer of a local ``O_DIRECT``
 storage for such a snapshot (:meth:`HostBuffers.writer_for`, through the storage's
@@ -31,6 +33,7 @@ from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint import st_format
 from ckrun.storage.base import ObjectWriter, Storage, WritesInPlace
 from ckrun.storage.direct import BLOCK, CHUNK, ArenaWriter
+from ckrun.storage.hugepages import hugepage_arena
 
 __all__ = ["CHUNK", "ArenaWriter", "HostBuffers"]
 
@@ -55,6 +58,7 @@ class HostBuffers:
         self._sig: tuple[Any, ...] | None = None
         self._views: list[torch.Tensor | np.ndarray[Any, Any]] = []
         self.allocations = 0
+        self.hugepages = False  # the kernel took MADV_HUGEPAGE for the arena
 
     @property
     def nbytes(self) -> int:
@@ -70,11 +74,8 @@ class HostBuffers:
         if pinned:  # untested here (no GPU): page-locked memory for DMA from the device
             self._arena = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         else:
-            # MAP_POPULATE faults the pages in the kernel in one go: 0.33 s/GiB here
-            # instead of 0.6 s/GiB of page faults during the first copy
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            self._mmap = mmap.mmap(-1, size, flags=flags)
-            self._arena = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            self._mmap, offset, self.hugepages = hugepage_arena(size)
+            self._arena = torch.frombuffer(self._mmap, dtype=torch.uint8, count=size, offset=offset)
         self._pinned = pinned
         self.allocations += 1
 

@@ -31,7 +31,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -239,11 +239,43 @@ def write_shard(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
         StorageError: from the writer (``StorageFull`` names the key and bytes).
     """
     table, data_bytes = data_table(snap)
+    return write_stream(w, snap.tree, table, data_bytes, (_host_bytes(t) for t in snap.tensors))
+
+
+def _host_bytes(t: HostArray) -> Iterator[memoryview]:
+    if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+        t = t.to("cpu")  # one tensor at a time: host memory stays bounded
+    if _nbytes(t):
+        yield bytes_view(t)
+
+
+def write_stream(
+    w: ObjectWriter,
+    tree: Any,
+    table: list[dict[str, Any]],
+    data_bytes: int,
+    pieces: Iterable[Iterable[bytes | memoryview]],
+) -> tuple[int, str]:
+    """Write a shard whose arrays arrive in pieces (not committed here).
+
+    ``table`` is the header's tensor table (:func:`data_table`'s form: offsets and
+    ``nbytes`` known in advance) and ``pieces`` yields, per table entry in order, an
+    iterable of buffers holding exactly that entry's bytes.  Each buffer is written
+    (every writer copies it) and hashed before the next is pulled, so a producer may
+    reuse one buffer: memory stays bounded by the producer's chunk, whatever the size.
+
+    Returns:
+        ``(size_bytes, "crc32c:%08x")`` of the whole file.
+
+    Raises:
+        CheckpointError: an entry's pieces do not add up to its ``nbytes``.
+        StorageError: from the writer (``StorageFull`` names the key and bytes).
+    """
     header = json.dumps(
         {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "tree": snap.tree,
+            "tree": tree,
             "tensors": table,
             "data_bytes": data_bytes,
         },
@@ -262,14 +294,19 @@ def write_shard(w: ObjectWriter, snap: Snapshot) -> tuple[int, str]:
         pos += len(buf)
 
     emit(head + bytes(data_offset - len(head)))
-    for t, entry in zip(snap.tensors, table, strict=True):
+    for entry, piece in zip(table, pieces, strict=True):
         gap = data_offset + entry["offset"] - pos
         if gap:
             emit(bytes(gap))
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            t = t.to("cpu")  # one tensor at a time: host memory stays bounded
-        if entry["nbytes"]:
-            emit(bytes_view(t))
+        for buf in piece:
+            emit(buf)
+        if pos != data_offset + entry["offset"] + entry["nbytes"]:
+            raise CheckpointError(
+                f"{w.key}: array at offset {entry['offset']} got "
+                f"{pos - data_offset - entry['offset']} bytes, its table says {entry['nbytes']}"
+            )
+    if pos != data_offset + data_bytes:
+        emit(bytes(data_offset + data_bytes - pos))
     return pos, f"crc32c:{crc:08x}"
 
 

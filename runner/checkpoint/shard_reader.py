@@ -159,25 +159,8 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
     crc = _readinto(f, memoryview(first), 0, key)
     if bytes(first) != MAGIC:  # format 2: a safetensors file
         return _read_v2(f, bytes(first), crc, size_bytes=size_bytes, checksum=checksum, key=key)
-    rest = bytearray(PREFIX.size - len(MAGIC))
-    crc = _readinto(f, memoryview(rest), crc, key)
-    magic, hlen, hcrc, _ = PREFIX.unpack(bytes(first + rest))
-    if magic != MAGIC:
-        raise CorruptCheckpoint(f"{key}: not a ckrun shard (bad magic {magic!r})", key=key)
-    if hlen > min(MAX_HEADER_BYTES, size_bytes - PREFIX.size):
-        raise CorruptCheckpoint(f"{key}: header length {hlen} exceeds the file", key=key)
-    header = bytearray(hlen)
-    crc = _readinto(f, memoryview(header), crc, key)
-    if crc32c.crc32c(header) != hcrc:
-        raise CorruptCheckpoint(f"{key}: header checksum mismatch (damaged header)", key=key)
-    meta = _parse_header(bytes(header), key)
+    meta, hlen, crc = _read_v1_header(f, bytes(first), crc, size_bytes=size_bytes, key=key)
     data_offset = align_up(PREFIX.size + hlen, DATA_ALIGN)
-    if data_offset + meta["data_bytes"] != size_bytes:
-        raise CorruptCheckpoint(
-            f"{key}: header describes {data_offset + meta['data_bytes']} bytes, "
-            f"manifest says {size_bytes}",
-            key=key,
-        )
     segs = [memoryview(bytearray(data_offset - PREFIX.size - hlen))]
     tensors: list[Any] = []
     pos = 0
@@ -200,6 +183,47 @@ def read_shard(f: IO[bytes], *, size_bytes: int, checksum: str, key: str) -> Any
             f"{key}: checksum mismatch (manifest {checksum}, file {got})", key=key
         )
     return _decode(meta["tree"], tensors, key)
+
+
+def read_header(f: IO[bytes], *, size_bytes: int, key: str) -> tuple[dict[str, Any], int]:
+    """The parsed header of a format-1 shard and its data region's offset (bytes), read
+    from ``f`` at offset 0 without reading the data (the header's own CRC32C is checked;
+    the data is not: callers check the whole-file or per-array checksums they hold).
+
+    Raises:
+        CorruptCheckpoint: not a format-1 shard, a damaged or inconsistent header.
+        UnsupportedFormat: a shard format version this ckrun cannot read.
+    """
+    first = bytearray(len(MAGIC))
+    crc = _readinto(f, memoryview(first), 0, key)
+    meta, hlen, _ = _read_v1_header(f, bytes(first), crc, size_bytes=size_bytes, key=key)
+    return meta, align_up(PREFIX.size + hlen, DATA_ALIGN)
+
+
+def _read_v1_header(
+    f: IO[bytes], first: bytes, crc: int, *, size_bytes: int, key: str
+) -> tuple[dict[str, Any], int, int]:
+    """The rest of the prefix and the header after the magic: (meta, header_len, crc)."""
+    rest = bytearray(PREFIX.size - len(MAGIC))
+    crc = _readinto(f, memoryview(rest), crc, key)
+    magic, hlen, hcrc, _ = PREFIX.unpack(first + bytes(rest))
+    if magic != MAGIC:
+        raise CorruptCheckpoint(f"{key}: not a ckrun shard (bad magic {magic!r})", key=key)
+    if hlen > min(MAX_HEADER_BYTES, size_bytes - PREFIX.size):
+        raise CorruptCheckpoint(f"{key}: header length {hlen} exceeds the file", key=key)
+    header = bytearray(hlen)
+    crc = _readinto(f, memoryview(header), crc, key)
+    if crc32c.crc32c(header) != hcrc:
+        raise CorruptCheckpoint(f"{key}: header checksum mismatch (damaged header)", key=key)
+    meta = _parse_header(bytes(header), key)
+    data_offset = align_up(PREFIX.size + hlen, DATA_ALIGN)
+    if data_offset + meta["data_bytes"] != size_bytes:
+        raise CorruptCheckpoint(
+            f"{key}: header describes {data_offset + meta['data_bytes']} bytes, "
+            f"manifest says {size_bytes}",
+            key=key,
+        )
+    return meta, hlen, crc
 
 
 def _read_v2(

@@ -19,6 +19,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from ckrun.cli.suggest import check_script, close_run_names
 from ckrun.config import (
     RunConfig,
     build_notice_sources,
@@ -29,6 +30,7 @@ from ckrun.config import (
 from ckrun.errors import (
     CkrunError,
     ConfigError,
+    ExitCode,
     IncompatibleCheckpoint,
     RunLocked,
     UsageError,
@@ -147,8 +149,11 @@ def locate(name: str, storage: str | None) -> RunDir:
         if moved.get("state_root") and RunDir(str(moved["state_root"])).exists():
             rd = RunDir(str(moved["state_root"]))
     if not rd.exists():
+        close = close_run_names(name, cfg.storage)
         raise UsageError(
-            f"no run {name!r} under {cfg.storage} (no {rd.run_json}); pass --storage DIR "
+            f"no run {name!r} under {cfg.storage}"
+            + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
+            + f" (no {rd.run_json}); pass --storage DIR "
             f"where it was submitted; `{shlex.join(['ckrun', 'runs', '--storage', cfg.storage])}`"
             " lists the runs there"
         )
@@ -280,6 +285,8 @@ def submit(
     name = default_run_name(command) if run_name is None else check_run_name(run_name)
     cfg = _absolute(resolve(profile, cli, run=name, command=command))
     local = cfg.scheduler == "local"
+    if local and not dry_run:
+        check_script(command)
     rundir = _submit_state(cfg)
     sched = scheduler_for(cfg.scheduler, cfg)
     args: list[str] = ["--storage", cfg.storage, "--profile", profile]
@@ -334,7 +341,13 @@ def submit(
     budgets.reset()  # a new submission: fresh budgets (before its job can start)
     say(f"run {name}: storage {cfg.run_root}, profile {profile}")
     if local and not detach:
-        return supervise(cfg, name, "local", frozen=cfg)
+        rc = supervise(cfg, name, "local", frozen=cfg)
+        if rc == ExitCode.INCOMPATIBLE and before is not None and launch_diff(before, cfg):
+            # the checkpoint refused this launch: the run stays what it was, so the
+            # original command (what the refusal tells the user to restore) still runs
+            rundir.freeze(before)
+            say(f"run {name}: run.json keeps its previous launch (the checkpoint refused this one)")
+        return rc
     try:
         job_id = sched.submit(spec)
     except CkrunError:  # refused: leave the run as it was (no new frozen run.json)

@@ -124,6 +124,8 @@ def _callbacks(out: dict[str, Any], cbs: Any) -> None:
     for k, v in cbs.items():
         if "CkrunCallback" in str(k) and isinstance(v, dict):
             _put(out, "rng.lightning", v.get("rng"))
+            if v.get("rng_ranks") is not None:  # several ranks: each one's RNG
+                _put(out, "rng.lightning_ranks", v["rng_ranks"])
             _put(out, "user.sampler", v.get("sampler"))
             _put(out, STEPS, v.get("steps") or {})
 

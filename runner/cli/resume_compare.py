@@ -196,7 +196,7 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
         )
     m = finals[0]
     if fileset.is_file_set(m):
-        return m.step, file_set_tree(m.step, fileset.read_files(storage, m).files)
+        return m.step, file_set_tree(m.step, _file_set_contents(fileset.read_files(storage, m)))
     tree: dict[str, Any] = {"step": m.step}
     for s in sorted(m.shards, key=lambda s: s.rank):
         if m.tensor_layout is not None:  # format 2: global tensors span the shards
@@ -206,3 +206,9 @@ def load_final(run_root: str) -> tuple[int, dict[str, Any]]:
                 shard = read_shard(f, size_bytes=s.size_bytes, checksum=s.checksum, key=s.key)
         tree.update(shard if m.world_size == 1 else {f"rank{s.rank}": shard})
     return m.step, tree
+
+
+def _file_set_contents(fs: Any) -> dict[str, Any]:
+    """Every file of the final file set ``fs`` in memory, each checked: check-resume
+    decodes and compares them all (the artifacts of the small runs it drills)."""
+    return {name: fs.read(name) for name in fs.files}

@@ -18,6 +18,8 @@ from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
 
+RESTORED = ".ckrun-restored"  # in a restored directory: which launch restored it
+
 
 def run_storage(storage: str | Storage | None = None) -> Storage | None:
     """``storage``, else the supervisor's ``CKRUN_STORAGE``, else None (not supervised)."""
@@ -75,6 +77,61 @@ def commit(
         )
     except StepAlreadyCommitted as e:
         log.warning("step %d is already committed: %s", step, e)
+        return None
+
+
+def barrier() -> None:
+    """Wait for every rank (``torch.distributed.barrier`` on the default group); nothing
+    when ``torch.distributed`` is not initialised (one process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def launch_stamp() -> str | None:
+    """What identifies this launch of a multi-process job (``WORLD_SIZE`` > 1): the
+    attempt and the launcher's pid (torchrun's agent, shared by its ranks); None for
+    one process.  Ranks restoring the same commit into a shared directory use it to
+    restore once per launch."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return f"{os.environ.get('CKRUN_ATTEMPT', '')}:{os.getppid()}"
+
+
+def restore_shared(fs: fileset.FileSet, root: str, top: str) -> str:
+    """:func:`ckrun.checkpoint.fileset.restore_dir` for ranks that share ``root``.
+
+    One process: restore.  Several ranks of one launch (:func:`launch_stamp`): under a
+    file lock in ``root`` the first restores and leaves a marker (``.ckrun-restored``:
+    the launch and the commit's checksum) in ``root/top``; the others find the marker
+    and use that directory, so no rank renames a directory another is reading.  A new
+    launch restores again (a directory half-rewritten since is replaced).
+
+    Returns:
+        The restored directory's path.
+    """
+    stamp = launch_stamp()
+    if stamp is None:
+        return fileset.restore_dir(fs, root, top)
+    from ckrun.storage.fsutil import write_pieces_atomic
+    from filelock import FileLock
+
+    stamp += f":{fs.manifest.shards[0].checksum}"
+    marker = os.path.join(root, top, RESTORED)
+    with FileLock(os.path.join(root, ".ckrun-restore.lock")):
+        if _read(marker) == stamp:
+            return os.path.join(root, top)
+        path = fileset.restore_dir(fs, root, top)
+        write_pieces_atomic(marker, [stamp.encode()])
+    return path
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
         return None
 
 

@@ -23,6 +23,10 @@ final artifact (``COMPLETE.json``).
 :func:`resume_checkpoint` restores the newest *verified* commit into
 ``output_dir/checkpoint-N`` (replacing a half-written directory of that name) and
 returns its path for ``trainer.train(resume_from_checkpoint=...)``; None on a fresh run.
+With several ranks (``torchrun``, ``ddp_backend="gloo"`` or NCCL) the first rank of a
+launch restores under a file lock and the others use its directory; each rank writes
+its own ``rng_state_<rank>.pth``, so ``on_save`` waits for all ranks (a barrier) before
+rank 0 commits the directory.
 The HF layout is kept, so HF tools read the directory as usual.  Sources: transformers
 ``TrainerCallback``/``TrainerControl`` and ``Trainer._maybe_log_save_evaluate`` /
 ``_save_checkpoint`` (transformers 5.24).
@@ -38,9 +42,11 @@ from typing import Any
 from ckrun.checkpoint import fileset
 from ckrun.control import install_signal_handlers, preemption_requested
 from ckrun.integrations.common import (
+    barrier,
     commit,
     dir_files,
     exit_preempted,
+    restore_shared,
     run_storage,
     step_digest,
 )
@@ -109,6 +115,9 @@ class CkrunCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
         step = state.global_step
+        # every rank writes its own rng_state_<rank>.pth and the Trainer does not wait
+        # for them before on_save: rank 0 commits the directory once all are written
+        barrier()
         if self.storage is not None and state.is_world_process_zero:
             top = f"{PREFIX}{step}"
             self._write_steps(str(args.output_dir), top)
@@ -120,6 +129,7 @@ class CkrunCallback(TrainerCallback):
                 resumed_from=self.resumed_from,
             )
         if self.preempting and step < state.max_steps:  # at the last step: finalize, exit 0
+            barrier()  # torchrun stops every rank once one exits 75: not before the commit
             exit_preempted(step)
         return control
 
@@ -163,6 +173,6 @@ def resume_checkpoint(output_dir: str, storage: str | Storage | None = None) -> 
         return None
     top = f"{PREFIX}{fs.manifest.step}"
     os.makedirs(output_dir, exist_ok=True)
-    path = fileset.restore_dir(fs, output_dir, top)
+    path = restore_shared(fs, output_dir, top)
     log.info("restored committed step %d into %s", fs.manifest.step, path)
     return path

@@ -9,6 +9,10 @@
 What the callback does (sources: Lightning 2.6 ``Callback``, ``Trainer.save_checkpoint``,
 ``FitLoop.setup_data`` and ``_SignalConnector``):
 
+* **every save committed**: ``setup`` wraps the strategy's ``CheckpointIO`` in
+  :class:`ckrun.integrations.lightning_io.CkrunCheckpointIO`, so each full checkpoint
+  Lightning writes (``ModelCheckpoint``'s, the user's ``trainer.save_checkpoint``, the
+  callback's own) is committed by ckrun once written.
 * **notice**: :func:`ckrun.preemption_requested` is checked in ``on_train_batch_end``;
   on a notice (before the last batch: at the last one the final save follows anyway and
   the run completes with exit 0) the callback calls ``trainer.save_checkpoint``
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -45,12 +49,13 @@ from ckrun.checkpoint.sampler import ResumableSampler
 from ckrun.checkpoint.state import rng_state, set_rng_state
 from ckrun.control import install_signal_handlers, preemption_requested
 from ckrun.integrations.common import commit, exit_preempted, run_storage, step_digest
+from ckrun.integrations.lightning_io import PREFIX, CkrunCheckpointIO, install
 from ckrun.storage.base import Storage
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 log = logging.getLogger(__name__)
 
-PREFIX = "lightning/"
+__all__ = ["PREFIX", "CkrunCallback", "CkrunCheckpointIO", "resume_checkpoint"]
 
 
 class CkrunCallback(pl.Callback):
@@ -86,6 +91,7 @@ class CkrunCallback(pl.Callback):
         self._pending: dict[str, Any] | None = None
         self._resumed_from: int | None = None
         self._consumed = 0
+        self.io: CkrunCheckpointIO | None = None
         install_signal_handlers()
 
     # -- setup: SLURM requeue off, the training loader made resumable ----------------------
@@ -101,6 +107,8 @@ class CkrunCallback(pl.Callback):
             if isinstance(env, SLURMEnvironment) and env.auto_requeue:
                 env.auto_requeue = False
                 log.info("Lightning's SLURM auto-requeue is off: ckrun requeues the job")
+        if self.storage is not None:  # every full checkpoint Lightning writes is committed
+            self.io = install(trainer.strategy, self.storage, self.keep_last)
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "ckrun")
         if stage != "fit" or not self.data_position:
@@ -110,9 +118,9 @@ class CkrunCallback(pl.Callback):
             log.warning("cannot reach Lightning's training data source: data position not restored")
             return
         original = src.dataloader
-        src.dataloader = lambda: self._resumable(original())
+        src.dataloader = lambda: self._resumable(original(), trainer)
 
-    def _resumable(self, loader: Any) -> Any:
+    def _resumable(self, loader: Any, trainer: pl.Trainer) -> Any:
         if type(loader) is not DataLoader or not isinstance(loader.sampler, RandomSampler):
             if not isinstance(getattr(loader, "sampler", None), ResumableSampler):
                 log.warning(
@@ -120,17 +128,26 @@ class CkrunCallback(pl.Callback):
                     "restore its position mid-epoch"
                 )
             return loader
+        world, rank = trainer.world_size, trainer.global_rank
+        seed = torch.initial_seed() % 2**31
+        if world > 1:  # one permutation for all ranks, each takes its share
+            seed = int(trainer.strategy.broadcast(seed))
         self.sampler = ResumableSampler(
-            len(cast(Sized, loader.dataset)), shuffle=True, seed=torch.initial_seed() % 2**31
+            len(cast(Sized, loader.dataset)),
+            shuffle=True,
+            seed=seed,
+            num_replicas=world,
+            rank=rank,
         )
         if self._pending is not None and self._pending.get("sampler") is not None:
-            self.sampler.load_state_dict(self._pending["sampler"])
+            # rank 0 wrote the checkpoint; every rank has consumed as many batches
+            self.sampler.load_state_dict({**self._pending["sampler"], "rank": rank})
         self.batch_size = loader.batch_size or 1
         self._consumed = self.sampler.position
         return DataLoader(
             loader.dataset,
             batch_size=loader.batch_size,
-            sampler=self.sampler,
+            sampler=self.sampler if world == 1 else RankSampler(self.sampler),
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory,
@@ -150,7 +167,15 @@ class CkrunCallback(pl.Callback):
         if self.sampler is not None:
             sampler = self.sampler.state_dict()
             sampler["position"] = min(self._consumed, len(self.sampler))
-        return {"rng": _portable(rng_state()), "sampler": sampler, "steps": dict(self.steps)}
+        rng = _portable(rng_state())
+        out: dict[str, Any] = {"rng": rng, "sampler": sampler, "steps": dict(self.steps)}
+        if _world() > 1:  # rank 0 writes the file: it holds every rank's RNG
+            import torch.distributed as dist
+
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, rng)  # every rank dumps the checkpoint's state
+            out["rng_ranks"] = ranks
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = dict(state_dict)
@@ -158,10 +183,10 @@ class CkrunCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed_from = trainer.global_step or None
+        if self.io is not None:
+            self.io.resumed_from = self._resumed_from
         if self._pending is not None and self._pending.get("rng") is not None:
-            set_rng_state(
-                _native(self._pending["rng"])
-            )  # last: the next draw is the resumed batch's
+            set_rng_state(_native(_own_rng(self._pending, trainer)))  # last: the next draw
         self._pending = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -194,7 +219,7 @@ class CkrunCallback(pl.Callback):
         # on_fit_end, not on_train_end: a run resumed from a checkpoint of its last step
         # skips the training loop (and on_train_end) and must still finalize
         if self._pending is not None and self._pending.get("rng") is not None:
-            set_rng_state(_native(self._pending["rng"]))  # resumed at the end: no on_train_start
+            set_rng_state(_native(_own_rng(self._pending, trainer)))  # no on_train_start
             self._pending = None
         if not trainer.interrupted:
             self._save(trainer, trainer.global_step, kind="final")
@@ -203,7 +228,14 @@ class CkrunCallback(pl.Callback):
         assert self.dirpath is not None
         name = f"step={step}.ckpt" if kind != "final" else f"final-step={step}.ckpt"
         path = os.path.join(self.dirpath, name)
-        trainer.save_checkpoint(path)  # every rank must call it (a collective)
+        if self.io is not None:  # the plugin commits what Lightning writes (rank 0)
+            self.io.kind = kind
+            try:
+                trainer.save_checkpoint(path)  # every rank must call it (a collective)
+            finally:
+                self.io.kind = "recovery"
+            return
+        trainer.save_checkpoint(path)
         if self.storage is not None and trainer.is_global_zero:
             commit(
                 self.storage,
@@ -226,6 +258,47 @@ def _last_step(trainer: pl.Trainer) -> bool:
         and max_epochs is not None
         and 0 < max_epochs <= trainer.current_epoch + 1
     )
+
+
+class RankSampler(DistributedSampler):  # type: ignore[type-arg]
+    """A :class:`ResumableSampler` with several replicas, presented to Lightning as the
+    ``DistributedSampler`` it would otherwise wrap around it (``DistributedSamplerWrapper``
+    re-partitions whatever the inner sampler yields, which breaks a mid-epoch resume)."""
+
+    def __init__(self, inner: ResumableSampler) -> None:  # no super(): nothing of its own
+        self.inner = inner
+        self.num_replicas, self.rank = inner.num_replicas, inner.rank
+        self.shuffle, self.seed, self.drop_last = inner.shuffle, inner.seed, inner.drop_last
+        self.epoch = inner.epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+        self.epoch = epoch
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _own_rng(state: dict[str, Any], trainer: pl.Trainer) -> dict[str, Any]:
+    """This rank's RNG from a checkpoint (rank 0's when it holds no per-rank states or
+    was written by another world size: then a resume is not exact, and says so)."""
+    ranks = state.get("rng_ranks")
+    if isinstance(ranks, list) and len(ranks) == trainer.world_size:
+        return cast(dict[str, Any], ranks[trainer.global_rank])
+    if trainer.world_size > 1:
+        log.warning(
+            "the checkpoint holds no RNG state of rank %d: rank 0's is used", trainer.global_rank
+        )
+    return cast(dict[str, Any], state["rng"])
 
 
 def _portable(rng: dict[str, Any]) -> dict[str, Any]:
@@ -261,8 +334,8 @@ def resume_checkpoint(dirpath: str, storage: str | Storage | None = None) -> str
     fs = fileset.newest(st, prefix=PREFIX)
     if fs is None:
         return None
-    name, data = next((n, d) for n, d in fs.files.items() if n.startswith(PREFIX))
+    name = next(n for n in fs.files if n.startswith(PREFIX))
     path = os.path.join(dirpath, name[len(PREFIX) :])
-    fileset.write_atomic(path, data)
+    fs.extract(name, path)
     log.info("restored committed step %d into %s", fs.manifest.step, path)
     return path

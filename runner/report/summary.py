@@ -13,7 +13,7 @@ from typing import Any
 
 from ckrun.notices import iso_utc, utcnow
 from ckrun.report import goodput
-from ckrun.report.history import History, parse
+from ckrun.report.history import Commit, History, parse
 from ckrun.report.lease_view import lease_view
 from ckrun.report.stored import StoredRunDir, merge_events, run_storage, stored_events
 from ckrun.runlog import read_events
@@ -138,6 +138,11 @@ def summarize(rd: RunDir, now: dt.datetime | None = None) -> dict[str, Any]:
             if a.end is None:
                 a.end = max([a.spawn, *(s.end for s in a.saves), *(a.train_start or a.spawn,)])
                 a.outcome = "lost" if a.outcome == "running" else a.outcome
+                if not a.commits:  # no attempt_end: a synchronous save that returned
+                    # committed (its child may outlive a SIGKILLed supervisor and save)
+                    a.commits = [
+                        Commit(s.step, s.end, s.stall_s) for s in a.saves if s.mode == "sync"
+                    ]
     state = _state(rd, h, events, live)
     steps = [c.step for a in h.attempts for c in a.commits]
     newest = newest_step(rd, max(steps) if steps else None)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckrun.errors import CheckpointError, ConfigError, StorageError, map_os_error
+from ckrun.storage import priority
 from ckrun.storage.base import ObjectInfo
 from ckrun.storage.local_writer import LocalRoot, LocalWriter
 
@@ -237,7 +238,9 @@ class ArenaWriter(LocalWriter):
         self._data_off: int | None = None
         self._head: mmap.mmap | None = None
         self._sent = 0  # data bytes handed to the I/O thread
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckrun-arena-io")
+        self._pool = ThreadPoolExecutor(  # inherits the persist's SCHED_IDLE: registered
+            1, thread_name_prefix="ckrun-arena-io", initializer=priority.register_inherited
+        )
         self._futs: deque[Future[None]] = deque()
         self._rate = _max_rate()
         self._t0 = time.monotonic()

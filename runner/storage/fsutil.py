@@ -1,15 +1,17 @@
 """Small durable-file helpers shared by the supervisor and the training-side library:
-an atomic JSON write, directory and path fsyncs (one at a time or concurrently, batched by
-the filesystem journal), and directory creation whose new entries are made durable.
+an atomic JSON write, pieces written to a file (atomically or under a temp name),
+directory and path fsyncs (one at a time or concurrently, batched by the filesystem
+journal), and directory creation whose new entries are made durable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +24,8 @@ __all__ = [
     "fsync_paths",
     "make_dirs",
     "write_json_atomic",
+    "write_pieces",
+    "write_pieces_atomic",
 ]
 
 
@@ -51,8 +55,37 @@ def write_json_atomic(path: str, body: dict[str, Any], *, durable: bool = True) 
         raise
 
 
+def write_pieces(path: str, pieces: Iterable[bytes | memoryview]) -> None:
+    """Create ``path`` from ``pieces`` written in order, then fsync it (not atomic: for a
+    temporary name that a rename publishes)."""
+    with open(path, "wb") as f:
+        for part in pieces:
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_pieces_atomic(path: str, pieces: Iterable[bytes | memoryview]) -> None:
+    """Write ``pieces`` to ``path`` atomically: a temp file in the same directory, fsync,
+    ``os.replace``, fsync of the directory.  An exception from ``pieces`` (a failed
+    checksum, say) removes the temp file and leaves ``path`` as it was."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".ckrun-restore-", dir=d)
+    os.close(fd)
+    try:
+        write_pieces(tmp, pieces)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(d)
+
+
 def fsync_dir(path: str) -> None:
-    """fsync the directory ``path`` so its new entries survive a power cut."""
+    """fsync the directory ``path`` so its new entries (a rename, a new file) survive a
+    power cut."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

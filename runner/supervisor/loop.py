@@ -46,8 +46,9 @@ from collections.abc import Callable
 from signal import Signals
 from typing import IO, Any
 
-from ckrun import control_files
 from ckrun.config import RunConfig
+from ckrun.control_files import clear as clear_control
+from ckrun.control_files import reserve_exit_reason, write_escalation, write_notice
 from ckrun.errors import CkrunError
 from ckrun.notices import Notice, NoticeSource, utcnow
 from ckrun.runlog import EventLog
@@ -57,6 +58,7 @@ from ckrun.supervisor import attempt, launch, own_checkpoint, process
 from ckrun.supervisor import machine as sm
 from ckrun.supervisor.budgets import BudgetStore, RunDirBudgets, budgets_of, resumed_state
 from ckrun.supervisor.child import AttemptChild
+from ckrun.supervisor.console import Console
 from ckrun.supervisor.intake import NoticeIntake
 from ckrun.supervisor.machine import Phase, Policy, State, step
 from ckrun.supervisor.ownership import Ownership
@@ -112,7 +114,7 @@ class Supervisor:
         self.budgets: BudgetStore = budgets or RunDirBudgets(rundir.root)
         self._own_budgets = budgets is None
         self.restore_signals = restore_signals
-        self.out = out or sys.stderr
+        self.out = Console(out or sys.stderr)
         self.notice_sig = cfg.signal_number()
         self.events = EventLog(rundir.events_path, cfg.run, fallback=self.out)
         self.kid = AttemptChild(self.procs, self.clock)
@@ -126,6 +128,7 @@ class Supervisor:
         self.state = sm.State(policy=policy_of(cfg))
         self.owner: Ownership | None = None
         self.runstate: RunState | None = None
+        self._console_noted = False
 
     # ------------------------------------------------------------ plumbing
     @property
@@ -146,11 +149,12 @@ class Supervisor:
 
     def say(self, message: str) -> None:
         """Print one ``[ckrun]`` line."""
-        print(
-            f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}",
-            file=self.out,
-            flush=True,
-        )
+        line = f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}"
+        print(line, file=self.out, flush=True)
+        lost = self.out.lost
+        if lost is not None and not self._console_noted:  # once: the run goes on
+            self._console_noted = True
+            self.events.append("console_lost", message=f"console gone ({lost}); at: {message}")
 
     def _append(self, kind: str, **fields: Any) -> None:
         self.events.append(kind, **fields)
@@ -296,18 +300,14 @@ class Supervisor:
             n = self.intake.last_notice
             detail = dict(n.detail) if n is not None and n.source == a.source else {}
             notice = Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
-            self._try(
-                "write notice.json", control_files.write_notice, self.rundir.control_dir, notice
-            )
+            self._try("write notice.json", write_notice, self.rundir.control_dir, notice)
         elif isinstance(a, sm.Deliver):
             count = kid.deliver(self._notice_sig(), to_script=self.watched is not None)
             return None if count is None else sm.Delivered(count, self.clock.monotonic())
         elif isinstance(a, sm.SignalGroup):
             kid.signal(a.sig)
         elif isinstance(a, sm.Escalate) and kid.current is not None:
-            self._try(
-                "write the escalation mark", control_files.write_escalation, self.rundir.control_dir
-            )
+            self._try("write the escalation mark", write_escalation, self.rundir.control_dir)
             kid.signal(signal.SIGTERM)
         elif isinstance(a, sm.Kill):
             kid.signal(signal.SIGKILL)
@@ -372,8 +372,8 @@ class Supervisor:
             self.lock.update(attempt=attempt)
 
     def _spawn(self, a: sm.Spawn) -> sm.Event | None:
-        self._try("clear control/", control_files.clear, self.rundir.control_dir)
-        control_files.reserve_exit_reason(self.rundir.control_dir)
+        self._try("clear control/", clear_control, self.rundir.control_dir)
+        reserve_exit_reason(self.rundir.control_dir)
         self.events.attempt = a.attempt
         self._try("update the lock holder", self._hold, a.attempt)
         try:

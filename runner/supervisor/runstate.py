@@ -107,6 +107,9 @@ class RunState:
         self.fence = Fence(storage, None)
         self.record = RunRecord()
         self.enabled = False  # writes start once the lease is held (:meth:`activate`)
+        #: ``updated_utc`` of the record as :meth:`activate` found it in storage (before
+        #: this supervisor's own first save moved it to now); "" when there was none
+        self.found_utc = ""
         self._cv = threading.Condition()
         self._pending: bytes | None = None
         self._writing = False
@@ -121,6 +124,7 @@ class RunState:
         """
         pending = self.record.events
         self.record = RunRecord.load(self.storage)
+        self.found_utc = self.record.updated_utc
         self.record.events.extend(pending)
         self.fence = Fence(self.storage, epoch)
         self.enabled = True
@@ -210,7 +214,10 @@ class StorageBudgets:
             local_mtime = os.path.getmtime(self.local.path)
         except OSError:
             return stored
-        if r.updated_utc and parse_utc(r.updated_utc).timestamp() > local_mtime:
+        # when the record was written before this supervisor (its own first save, at
+        # activation, is always newer than the reset `ckrun submit` just made)
+        found = self.state.found_utc
+        if found and parse_utc(found).timestamp() > local_mtime:
             return stored
         return self.local.load()
 

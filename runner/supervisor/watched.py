@@ -93,7 +93,7 @@ class WatchedFiles:
             return None
         for p in self.paths:
             if _name(p) in fs.files:
-                fileset.write_atomic(p, fs.files[_name(p)])
+                fs.extract(_name(p), p)
         self._remember()
         self.last = Version(fs.manifest.step, time.monotonic())
         return fs.manifest.step

@@ -137,3 +137,17 @@ def test_a_killed_supervisor_is_reported_as_such(tmp_path: Path) -> None:
     assert "its supervisor was killed" in runstatus.render(st)
     # its attempt ends at its last report, not now: no unsaved work grows forever
     assert st["wall_s"] == pytest.approx(22.0)
+
+
+def test_a_save_made_after_the_supervisor_was_killed_is_not_counted_lost(tmp_path: Path) -> None:
+    # kill -9 of the supervisor: its child gets SIGTERM (parent-death signal), takes it as
+    # a notice and commits step 25 (its own `save` event); no attempt_end is ever
+    # written.  The attempt was shown "productive 0.0 s to step 17, lost 7.4 s / ? steps".
+    s = Script()
+    s.ev(0, 0, "supervisor_start").ev(0, 0, "spawn").ev(2, 0, "restore", step=17, seconds=0.5)
+    s.ev(9.5, 0, "save", step=25, seconds=0.5, mode="sync")
+    st = runstatus.summarize(s.write(tmp_path))
+    assert st["state"] == "SUPERVISOR_DIED"
+    a = st["attempt_detail"][-1]
+    assert a["saved_step"] == 25 and a["lost_s"] == 0, a
+    assert st["overheads_s"]["lost"] == 0 and st["productive_s"] == pytest.approx(7.0)

@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -382,3 +383,96 @@ def test_plain_script_finishing_after_a_notice_is_completed_not_restarted(
     assert sup.text.count("finished") == 1
     root = tmp_path / "runs" / "plain"
     assert kinds(root).count("spawn") == 1 and "completed" in kinds(root)
+
+
+def test_ctrl_c_after_the_console_pipe_closed_still_saves(tmp_path: Path) -> None:
+    """`ckrun submit train.py 2>&1 | tee log`, then Ctrl-C: the terminal's SIGINT reaches
+    `tee` too, so the supervisor's next line hits a closed pipe (EPIPE).  It used to die
+    of the BrokenPipeError in the middle of the save it exists for (no checkpoint, run
+    SUPERVISOR_DIED); now the console goes quiet, the save commits, exit 130."""
+    env = dict(os.environ, **FAST_ENV)
+    env.pop("CKRUN_CONTROL_DIR", None)
+    # the child keeps its own output, so only the supervisor writes to the pipe
+    child = shlex.join([PY, CHILD, "--steps", "400", "--step-s", "0.03"])
+    args = ["submit", "--run", "tee", "--storage", "runs", "--", "sh", "-c",
+            f"exec {child} > child.out 2>&1"]  # fmt: skip
+    sup = subprocess.Popen(
+        [PY, "-m", "ckrun.cli", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert sup.stdout is not None
+    out = tmp_path / "child.out"
+    assert wait_until(lambda: out.exists() and "step 5\n" in out.read_text(), 60), sup.pid
+    sup.stdout.close()  # `tee` is gone
+    sup.send_signal(signal.SIGINT)
+    assert sup.wait(timeout=60) == 130
+    root = tmp_path / "runs" / "tee"
+    done = [e for e in events(root) if e["kind"] == "cancelled"]
+    assert done and done[-1]["new_checkpoint"] is True, kinds(root)
+    assert "console_lost" in kinds(root)
+    assert "saved" in out.read_text()
+
+
+@pytest.mark.slow
+def test_a_hung_up_terminal_keeps_the_work_since_the_last_checkpoint(tmp_path: Path) -> None:
+    """An SSH session that drops under a foreground `ckrun submit`: the terminal hangs
+    up, the supervisor gets SIGHUP and forwards it.  The training process used to die of
+    it at once (no save: every step since the last checkpoint lost, run FAILED with no
+    checkpoint); the library now takes it as a notice and commits first."""
+    env = dict(os.environ, **FAST_ENV)
+    env.pop("CKRUN_CONTROL_DIR", None)
+    args = ["submit", "--run", "hup", "--storage", "runs", CHILD, "--steps", "400",
+            "--step-s", "0.03"]  # fmt: skip
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(tmp_path)
+        os.execve(PY, [PY, "-m", "ckrun.cli", *args], env)
+    out = b""
+    end = time.monotonic() + 120
+    while b"step 5\r\n" not in out and time.monotonic() < end:
+        if select.select([fd], [], [], 0.1)[0]:
+            out += os.read(fd, 4096)
+    assert b"step 5\r\n" in out, out
+    os.close(fd)  # the terminal hangs up: SIGHUP to its session leader, the supervisor
+    os.waitpid(pid, 0)
+    root = tmp_path / "runs" / "hup"
+    assert "forward" in kinds(root)
+    ends = [e for e in events(root) if e["kind"] == "attempt_end"]
+    assert ends and ends[-1]["commits"], events(root)  # a checkpoint made after the hangup
+    again = ckrun(args, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resumed None" not in again.stdout, again.stdout
+    assert f"done {expected_w(400)}" in again.stdout, again.stdout
+
+
+def test_a_new_submit_starts_with_fresh_budgets(tmp_path: Path) -> None:
+    """README: "`ckrun submit` starts a new submission with fresh budgets".  The
+    supervisor's own first write of the run's record (at lease activation) made the
+    record look newer than the reset, so a fixed script resubmitted after a crash loop
+    started with the old failure streak and stopped after ONE failure."""
+    args = ["submit", "--run", "bud", "--storage", "runs", "--", "false"]
+    for _ in range(2):
+        r = ckrun(args, tmp_path)
+        assert r.returncode == 1 and "crash loop: 2 failures in a row" in r.stderr, r.stderr
+    starts = [e for e in events(tmp_path / "runs" / "bud") if e["kind"] == "supervisor_start"]
+    assert [s["budgets"]["failures"] for s in starts] == [0, 0]
+
+
+@pytest.mark.slow
+def test_a_launch_the_checkpoint_refuses_does_not_replace_the_run(tmp_path: Path) -> None:
+    """`--allow-change launch_hash` with a changed experiment: the checkpoint refuses it
+    (exit 4, "restore the original settings ...").  The refused launch used to stay
+    frozen in run.json, so restoring the original command was refused in turn."""
+    base = ["submit", "--run", "x", "--storage", "runs"]
+    orig = [CHILD, "--steps", "5", "--step-s", "0", "--save-every", "1"]
+    first = ckrun([*base, "--max-failures", "0", *orig, "--crash-at", "2"], tmp_path)
+    assert first.returncode == 1 and "crash at 2" in first.stdout, first.stderr  # step 2 kept
+    changed = [*base, "--allow-change", "launch_hash", *orig[:1], "--steps", "6"]
+    r = ckrun(changed, tmp_path)
+    assert r.returncode == 4 and "restore the original settings" in r.stderr, r.stderr
+    again = ckrun([*base, *orig, "--crash-at", "2"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resumed 2 " in again.stdout, again.stdout
