@@ -29,8 +29,9 @@ Exit reasons (issue 11 item 8): a user script may exit 3, 4, 5, 75 or 76 for its
 reasons.  Before the library ends the process for one of ckrun's reasons it writes an
 exit-reason record (:func:`write_exit_reason`, ``exit-reason.json``: ``reason``,
 ``code``, ``message``); the supervisor reads it (:func:`read_exit_reason`) and only the
-record makes an exit 4 "incompatible", a 3 "invalid config", a 5 "storage full" or
-"storage denied" (not retried), and a status 0 after a notice a preemption.
+record makes an exit 4 "incompatible", a 3 "invalid config", a 5 "storage full",
+"storage denied" or "checkpoints unusable" (every committed checkpoint damaged; not
+retried), and a status 0 after a notice a preemption.
 
 Under a supervisor, ``import ckrun`` already catches the notice signal (only it): the
 process counts as one that handles notices while it still imports torch.
@@ -66,7 +67,14 @@ NOTICE_FILE = "notice.json"
 ESCALATE_FILE = "escalate"
 EXIT_REASON_FILE = "exit-reason.json"
 #: Exit reasons the library records (see the module docstring).
-EXIT_REASONS = ("preempted", "incompatible", "config_invalid", "storage_full", "storage_denied")
+EXIT_REASONS = (
+    "preempted",
+    "incompatible",
+    "config_invalid",
+    "storage_full",
+    "storage_denied",
+    "checkpoints_unusable",
+)
 #: Seconds between two checks that the supervisor is alive.
 LIVENESS_INTERVAL_S = 1.0
 TRAINING_FILE = "training.json"
