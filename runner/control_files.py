@@ -12,8 +12,9 @@ Exit reasons (issue 11 item 8): a user script may exit 3, 4, 5, 75 or 76 for its
 reasons.  Before the library ends the process for one of ckrun's reasons it writes an
 exit-reason record (:func:`write_exit_reason`, ``exit-reason.json``: ``reason``,
 ``code``, ``message``); the supervisor reads it (:func:`read_exit_reason`) and only the
-record makes an exit 4 "incompatible", a 3 "invalid config", a 5 "storage full" or
-"storage denied" (not retried), and a status 0 after a notice a preemption.  The
+record makes an exit 4 "incompatible", a 3 "invalid config", a 5 "storage full",
+"storage denied" or "checkpoints unusable" (every committed checkpoint damaged; not
+retried), and a status 0 after a notice a preemption.  The
 supervisor reserves the record's blocks before each start (:func:`reserve_exit_reason`)
 so that a StorageFull exit can be recorded on the full disk that caused it.
 
@@ -34,7 +35,14 @@ NOTICE_FILE = "notice.json"
 ESCALATE_FILE = "escalate"
 EXIT_REASON_FILE = "exit-reason.json"
 #: Exit reasons the library records (see the module docstring).
-EXIT_REASONS = ("preempted", "incompatible", "config_invalid", "storage_full", "storage_denied")
+EXIT_REASONS = (
+    "preempted",
+    "incompatible",
+    "config_invalid",
+    "storage_full",
+    "storage_denied",
+    "checkpoints_unusable",
+)
 TRAINING_FILE = "training.json"
 PEER_NOTICE_FILE = "peer-notice.json"
 
