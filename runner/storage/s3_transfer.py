@@ -1,4 +1,5 @@
-"""Streaming S3 writes and reads with end-to-end CRC32C (used by :mod:`ckrun.storage.s3`).
+"""Streaming S3 writes with end-to-end CRC32C (used by :mod:`ckrun.storage.s3`; reads are
+:mod:`ckrun.storage.s3_read`, the client and its errors :mod:`ckrun.storage.s3_client`).
 
 :class:`S3Writer` buffers up to ``multipart_threshold_bytes``; a smaller object becomes one
 ``PutObject``, a larger one a multipart upload of ``multipart_chunk_bytes`` parts sent by
@@ -18,7 +19,6 @@ The checksums are computed with the ``crc32c`` package instead of botocore's
 from __future__ import annotations
 
 import base64
-import io
 import threading
 import time
 from collections import deque
@@ -31,7 +31,6 @@ from ckrun.errors import (
     ObjectNotFound,
     PreconditionFailed,
     StorageError,
-    StoragePermissionError,
 )
 from ckrun.storage.base import ObjectInfo
 from ckrun.storage.s3_options import S3Options
@@ -309,125 +308,3 @@ class S3Writer:
             self.commit()
         else:
             self.abort()
-
-
-class CheckedReader(io.RawIOBase):
-    """A raw reader over a ``StreamingBody`` that checks the CRC32C at end of stream.
-
-    ``expected`` is the object's full-object CRC32C (int) or None when S3 has none.
-    Raises ``StorageError`` from ``readinto`` when the bytes read do not match.
-    """
-
-    def __init__(self, body: Any, key: str, expected: int | None) -> None:
-        super().__init__()
-        self._body = body
-        self._key = key
-        self._expected = expected
-        self._crc = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        data = self._body.read(len(mv))
-        n = len(data)
-        mv[:n] = data
-        if n:
-            self._crc = crc32c.crc32c(data, self._crc)
-        elif self._expected is not None and self._crc != self._expected:
-            raise StorageError(
-                f"CRC32C mismatch reading {self._key}: the object is corrupt or was "
-                "replaced during the read; read it again or fall back to an older checkpoint"
-            )
-        return n
-
-    def close(self) -> None:
-        try:
-            self._body.close()
-        finally:
-            super().close()
-
-
-def make_client(options: S3Options) -> Any:
-    """A boto3 S3 client with ckrun's retry, timeout and pool settings (boto3 lazy)."""
-    import boto3
-    from botocore.config import Config
-
-    session = boto3.session.Session()
-    region = options.s3_region or session.region_name or "us-east-1"
-    cfg = Config(
-        retries={"mode": options.s3_retry_mode, "total_max_attempts": options.s3_max_attempts},
-        connect_timeout=options.s3_timeout_s,
-        read_timeout=options.s3_timeout_s,
-        max_pool_connections=max(10, options.s3_max_concurrency * 2),
-        s3={"addressing_style": options.s3_addressing_style},
-    )
-    return session.client("s3", region_name=region, endpoint_url=options.endpoint_url, config=cfg)
-
-
-_DENIED = {
-    "AccessDenied",
-    "403",
-    "Forbidden",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "AllAccessDisabled",
-    "AccountProblem",
-}
-
-
-def map_s3_error(exc: BaseException, *, op: str, url: str, endpoint: str) -> StorageError:
-    """Map a botocore exception to the most specific ``StorageError``, naming the fix."""
-    if isinstance(exc, StorageError):
-        return exc
-    from botocore.exceptions import (
-        ClientError,
-        ConnectionError,
-        NoCredentialsError,
-        PartialCredentialsError,
-    )
-
-    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
-        return StoragePermissionError(
-            f"no AWS credentials for {url}: boto3's default chain found none; set "
-            "AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or attach an instance/pod "
-            "role (ckrun never reads credentials from its config)"
-        )
-    if isinstance(exc, ConnectionError):
-        return StorageError(
-            f"cannot reach the S3 endpoint {endpoint} ({op} {url}): {exc}; "
-            "check endpoint_url / AWS_ENDPOINT_URL_S3 and the network"
-        )
-    if not isinstance(exc, ClientError):
-        return StorageError(f"S3 {op} on {url} failed: {type(exc).__name__}: {exc}")
-    err = exc.response.get("Error", {})
-    code = str(err.get("Code", ""))
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    bucket = url[5:].split("/", 1)[0]
-    if code == "NoSuchBucket" or (op == "head_bucket" and code in ("404", "NotFound")):
-        return StorageError(
-            f"bucket {bucket!r} does not exist at {endpoint}: create it "
-            f"(aws s3 mb s3://{bucket}) or fix --storage"
-        )
-    if code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
-        return ObjectNotFound(f"{url} does not exist")
-    if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-        return ObjectExists(
-            f"{url} already exists (conditional create lost); another "
-            "attempt committed this key first"
-        )
-    if code in _DENIED or status == 403:
-        return StoragePermissionError(
-            f"access denied: {op} on {url} ({code}); grant s3:ListBucket, s3:GetObject, "
-            "s3:PutObject, s3:DeleteObject and s3:AbortMultipartUpload on the bucket/prefix to "
-            "the credentials boto3 finds"
-        )
-    if code in ("SlowDown", "503", "ServiceUnavailable", "InternalError", "500"):
-        return StorageError(
-            f"S3 kept failing ({code}) on {op} {url} after retries: raise "
-            "s3_max_attempts or use s3_retry_mode: adaptive"
-        )
-    return StorageError(f"S3 {op} on {url} failed: {code} {err.get('Message', '')}".rstrip())
