@@ -1,8 +1,7 @@
-"""The supervisor ↔ child control channel (DESIGN.md §3, "Supervisor ↔ child").
-
-Supervisor side: :func:`write_notice` writes ``<control_dir>/notice.json`` atomically
-(reason, source, deadline UTC) *before* it signals the child, and :func:`write_escalation`
-marks that the grace period is over.
+"""The child's side of the supervisor ↔ child control channel (DESIGN.md §3,
+"Supervisor ↔ child"); the channel's files and the supervisor's side of them are
+:mod:`ckrun.control_files`, whose names this module re-exports (``ckrun.control.write_notice``,
+``read_exit_reason``, ... keep working).
 
 Child side (the training process): :func:`install_signal_handlers` makes SIGTERM and the
 notice signal (``CKRUN_NOTICE_SIGNAL``, default SIGUSR1) only set a flag, so the save runs
@@ -25,12 +24,9 @@ first training step rather than from its spawn (``--chaos-preempt-every``), and 
 A SIGTERM that arrives after :func:`write_escalation` (the supervisor's "time is up")
 is not swallowed: the default action is restored and the signal re-raised.
 
-Exit reasons (issue 11 item 8): a user script may exit 3, 4, 5, 75 or 76 for its own
-reasons.  Before the library ends the process for one of ckrun's reasons it writes an
-exit-reason record (:func:`write_exit_reason`, ``exit-reason.json``: ``reason``,
-``code``, ``message``); the supervisor reads it (:func:`read_exit_reason`) and only the
-record makes an exit 4 "incompatible", a 3 "invalid config", a 5 "storage full" or
-"storage denied" (not retried), and a status 0 after a notice a preemption.
+Exit reasons (issue 11 item 8): before the library ends the process for one of ckrun's
+reasons it writes an exit-reason record (:func:`ckrun.control_files.write_exit_reason`;
+:func:`record_notice_save` after a notice's commit).
 
 Under a supervisor, ``import ckrun`` already catches the notice signal (only it): the
 process counts as one that handles notices while it still imports torch.
@@ -48,7 +44,6 @@ Environment read here: ``CKRUN_CONTROL_DIR``, ``CKRUN_NOTICE_SIGNAL``,
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -56,21 +51,42 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
+from ckrun.control_files import (
+    ESCALATE_FILE,
+    EXIT_REASON_BYTES,
+    EXIT_REASON_FILE,
+    EXIT_REASONS,
+    NOTICE_FILE,
+    PEER_NOTICE_FILE,
+    TRAINING_FILE,
+    clear,
+    control_dir,
+    read_exit_reason,
+    read_notice,
+    reserve_exit_reason,
+    take_peer_notice,
+    training_started,
+    write_escalation,
+    write_exit_reason,
+    write_notice,
+)
 from ckrun.notices import Notice
 from ckrun.procs import set_parent_death_signal
 from ckrun.storage.fsutil import write_json_atomic
 
-NOTICE_FILE = "notice.json"
-ESCALATE_FILE = "escalate"
-EXIT_REASON_FILE = "exit-reason.json"
-#: Exit reasons the library records (see the module docstring).
-EXIT_REASONS = ("preempted", "incompatible", "config_invalid", "storage_full", "storage_denied")
+__all__ = [
+    "ESCALATE_FILE", "EXIT_REASONS", "EXIT_REASON_BYTES", "EXIT_REASON_FILE",
+    "LIVENESS_INTERVAL_S", "NOTICE_FILE", "PEER_NOTICE_FILE", "TRAINING_FILE",
+    "add_check_hook", "clear", "control_dir", "install_signal_handlers", "mark_training",
+    "notice_signal", "preemption_requested", "read_exit_reason", "read_notice",
+    "received_signals", "record_notice_save", "reserve_exit_reason", "reset_for_tests",
+    "supervisor_gone", "take_peer_notice", "training_started", "write_escalation",
+    "write_exit_reason", "write_notice", "write_peer_notice",
+]  # fmt: skip
+
 #: Seconds between two checks that the supervisor is alive.
 LIVENESS_INTERVAL_S = 1.0
-TRAINING_FILE = "training.json"
-PEER_NOTICE_FILE = "peer-notice.json"
 
 _flag = threading.Event()
 _received: list[int] = []
@@ -82,11 +98,6 @@ _marked: list[str] = []  # how this process's training start was marked (at most
 _peer_told = threading.Event()  # this process left its peer notice
 
 
-def control_dir() -> str | None:
-    """The control directory of the current run (``CKRUN_CONTROL_DIR``), if supervised."""
-    return os.environ.get("CKRUN_CONTROL_DIR") or None
-
-
 def notice_signal() -> signal.Signals:
     """The notice signal configured for this run (``CKRUN_NOTICE_SIGNAL``, default USR1)."""
     name = os.environ.get("CKRUN_NOTICE_SIGNAL", "SIGUSR1").upper()
@@ -96,38 +107,6 @@ def notice_signal() -> signal.Signals:
         return signal.Signals[name]
     except KeyError:
         return signal.SIGUSR1
-
-
-def write_notice(cdir: str, notice: Notice) -> None:
-    """Supervisor: publish ``notice`` atomically in ``cdir/notice.json``."""
-    write_json_atomic(os.path.join(cdir, NOTICE_FILE), notice.to_json())
-
-
-def write_escalation(cdir: str) -> None:
-    """Supervisor: mark that the grace period is over; the next SIGTERM is fatal."""
-    write_json_atomic(os.path.join(cdir, ESCALATE_FILE), {"escalated": True})
-
-
-def clear(cdir: str) -> None:
-    """Supervisor: remove the notice, escalation, peer-notice, training-start and
-    exit-reason files before a new attempt."""
-    for name in (NOTICE_FILE, ESCALATE_FILE, PEER_NOTICE_FILE, TRAINING_FILE, EXIT_REASON_FILE):
-        try:
-            os.unlink(os.path.join(cdir, name))
-        except FileNotFoundError:
-            pass
-
-
-def read_notice(cdir: str | None = None) -> Notice | None:
-    """The notice published for this run, or None (also on a malformed file)."""
-    cdir = cdir or control_dir()
-    if not cdir:
-        return None
-    try:
-        with open(os.path.join(cdir, NOTICE_FILE)) as f:
-            return Notice.from_json(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def mark_training(how: str) -> None:
@@ -157,20 +136,6 @@ def mark_training(how: str) -> None:
         child_event("train_start")
 
 
-def training_started(cdir: str) -> float | None:
-    """Supervisor: epoch seconds at which the current child started training, or None
-    while it has not (or does not report it: it uses neither ``load`` nor
-    :func:`preemption_requested`)."""
-    try:
-        with open(os.path.join(cdir, TRAINING_FILE)) as f:
-            body = json.load(f)
-        from ckrun.notices import parse_utc
-
-        return float(parse_utc(str(body["utc"])).timestamp())
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def write_peer_notice(cdir: str | None = None) -> None:
     """Child: the ranks agreed to stop for a notice that reached another node.
 
@@ -186,84 +151,6 @@ def write_peer_notice(cdir: str | None = None) -> None:
             {"pid": os.getpid(), "rank": os.environ.get("RANK"), "reason": "agreed step"},
             durable=False,
         )
-
-
-def take_peer_notice(cdir: str) -> dict[str, Any] | None:
-    """Supervisor: consume ``peer-notice.json``; None when there is none."""
-    path = os.path.join(cdir, PEER_NOTICE_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            body = json.load(f)
-        os.unlink(path)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        body = {}
-    return body if isinstance(body, dict) else {}
-
-
-#: Size of the reserved exit-reason record: the supervisor allocates it before the start,
-#: so the library can record a StorageFull exit on the full disk that caused it.
-EXIT_REASON_BYTES = 4096
-
-
-def reserve_exit_reason(cdir: str) -> bool:
-    """Supervisor: allocate an empty (blank) exit-reason record before a start.
-
-    Returns:
-        False when it cannot be written (the child then writes a new file, if it can).
-    """
-    try:
-        with open(os.path.join(cdir, EXIT_REASON_FILE), "wb") as f:
-            f.write(b" " * EXIT_REASON_BYTES)
-        return True
-    except OSError:
-        return False
-
-
-def write_exit_reason(reason: str, code: int, message: str = "", cdir: str | None = None) -> None:
-    """Child: record why this process is about to exit with ``code`` (one of
-    :data:`EXIT_REASONS`); a no-op outside the supervisor.
-
-    Overwrites the supervisor's reserved record in place (no new blocks: it works on a
-    full disk), else writes a new file.  Never raises: a failing write must not turn a
-    clean exit into a traceback (the supervisor then sees no record).
-    """
-    cdir = cdir or control_dir()
-    if not cdir:
-        return
-    path = os.path.join(cdir, EXIT_REASON_FILE)
-    body = {"reason": reason, "code": int(code), "message": message[:2000], "pid": os.getpid()}
-    data = json.dumps(body).encode()[: EXIT_REASON_BYTES - 1]
-    try:
-        fd = os.open(path, os.O_WRONLY)
-    except FileNotFoundError:
-        try:
-            write_json_atomic(path, body, durable=False)
-        except OSError:
-            pass
-        return
-    except OSError:
-        return
-    try:
-        os.pwrite(fd, data.ljust(EXIT_REASON_BYTES), 0)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def read_exit_reason(cdir: str) -> dict[str, Any] | None:
-    """Supervisor: the exit-reason record of the attempt's process, or None."""
-    try:
-        with open(os.path.join(cdir, EXIT_REASON_FILE), "rb") as f:
-            text = f.read().strip()
-        body = json.loads(text) if text else None
-    except (OSError, ValueError):
-        return None
-    if not isinstance(body, dict) or body.get("reason") not in EXIT_REASONS:
-        return None
-    return body
 
 
 def supervisor_gone() -> bool:

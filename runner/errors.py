@@ -120,6 +120,14 @@ class StateUnusable(CheckpointError):
     ordinary failure (exit 5): the supervisor restarts the process."""
 
 
+class NoUsableCheckpoint(CheckpointError):
+    """The run has committed checkpoints (or manifests) but none can be restored: all
+    failed verification or are missing.  Starting from step 0 instead would silently
+    throw the run's work away, so the load refuses (exit 5); the message names each
+    checkpoint, why, and the fix (inspect with ``ckrun verify``; move the damaged step
+    directories aside to start from scratch on purpose)."""
+
+
 class IncompatibleCheckpoint(CheckpointError):
     """The checkpoint was made by a different experiment.
 

@@ -62,7 +62,7 @@ def finish_at_exit(ref: weakref.ReferenceType[Drainable]) -> None:
     saver = ref()
     if saver is None:
         return
-    from ckrun.control import read_notice
+    from ckrun.control_files import read_notice
 
     h = saver.inflight()
     notice = read_notice() if h is not None else None

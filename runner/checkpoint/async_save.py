@@ -37,7 +37,7 @@ save's durability lag stays bounded.  Measured in bench/README.md ("compute kept
 during the persist").
 
 Emergency saves: a synchronous ``save`` while a save is in flight reads the notice
-(``ckrun.control.read_notice``) and waits for the in-flight save.  If the deadline then
+(``ckrun.control_files.read_notice``) and waits for the in-flight save.  If the deadline then
 leaves time for a full save (estimated from the last measured durations, x
 :data:`SAFETY`), it saves the current state; otherwise it returns the in-flight save's
 manifest: the newest complete snapshot is committed instead of racing the deadline.  If
@@ -273,7 +273,7 @@ class AsyncSaver:
         Raises:
             Exception: the in-flight save's error (raised once), without a notice.
         """
-        from ckrun.control import read_notice
+        from ckrun.control_files import read_notice
 
         h = self._inflight
         notice = read_notice() if h is not None and kind != ManifestKind.FINAL else None
@@ -347,7 +347,7 @@ class AsyncSaver:
 
 def _no_notice() -> bool:
     """No preemption notice is pending (a save under a notice stays eager)."""
-    from ckrun.control import read_notice
+    from ckrun.control_files import read_notice
 
     return read_notice() is None
 

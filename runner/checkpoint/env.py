@@ -178,11 +178,13 @@ def _record(value: CkrunError, code: int) -> None:
     from ckrun.errors import (
         ExitCode,
         IncompatibleCheckpoint,
+        NoUsableCheckpoint,
         StorageFull,
         StoragePermissionError,
     )
 
-    # Only what a restart cannot fix: a full or read-only/denied storage stops the run;
+    # Only what a restart cannot fix: a full or read-only/denied storage, or a run whose
+    # every checkpoint is damaged (the restart would refuse again), stops the run;
     # other storage and checkpoint errors (a collective save that lost a rank, an I/O
     # hiccup) stay ordinary failures, retried within the budgets.
     if isinstance(value, IncompatibleCheckpoint):
@@ -191,6 +193,8 @@ def _record(value: CkrunError, code: int) -> None:
         reason = "storage_full"
     elif isinstance(value, StoragePermissionError):
         reason = "storage_denied"
+    elif isinstance(value, NoUsableCheckpoint):
+        reason = "checkpoints_unusable"
     elif code == ExitCode.CONFIG_INVALID:
         reason = "config_invalid"
     else:

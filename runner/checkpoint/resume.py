@@ -16,7 +16,7 @@ from typing import Any
 
 from ckrun.checkpoint import collective, inplace_load, reshard, signature
 from ckrun.checkpoint.compat import DEFAULT_POLICY, compare
-from ckrun.checkpoint.discovery import scan
+from ckrun.checkpoint.discovery import Scan, scan
 from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.pipeline import CommitContext
 from ckrun.checkpoint.shard_reader import read_shard
@@ -27,6 +27,7 @@ from ckrun.errors import (
     CorruptCheckpoint,
     CorruptObject,
     IncompatibleCheckpoint,
+    NoUsableCheckpoint,
     ObjectNotFound,
     StateUnusable,
 )
@@ -147,10 +148,14 @@ def load(
         CheckpointError: the checkpoint does not fit the state (wrong model).
         StateUnusable: a damaged checkpoint was partly read in place and no older one
             restored over it: the process must stop (the supervisor restarts it).
+        NoUsableCheckpoint: the run has checkpoints but none is usable (never a
+            silent start from step 0).
     """
     txn = inplace_load.Transaction(ctx)
+    found = scan(ctx.storage)
+    before = len(skipped)
     try:
-        m = _load(ctx, state, current, txn, allow_change, policy, seed, resume_step, skipped)
+        m = _load(ctx, state, current, txn, found, allow_change, policy, seed, resume_step, skipped)
     except StateUnusable:
         raise
     except BaseException as e:
@@ -158,7 +163,27 @@ def load(
         raise
     if m is None:
         txn.exhausted()
+        _refuse_when_damaged(ctx, found, skipped[before:])
     return m
+
+
+def _refuse_when_damaged(ctx: CommitContext, found: Scan, unusable: Sequence[str]) -> None:
+    """No checkpoint was restored: fine for a run that has none, a refusal for one
+    whose every checkpoint is damaged (starting from step 0 would throw its work away).
+
+    Raises:
+        NoUsableCheckpoint: committed manifests exist (or unparsable ones), none usable.
+    """
+    whys = list(unusable) + [f"manifest {key} is unreadable: {why}" for key, why in found.problems]
+    if not whys:
+        return
+    raise NoUsableCheckpoint(
+        f"the run in {ctx.storage.url} has checkpoints but none can be restored: "
+        + "; ".join(whys)
+        + ". Nothing was loaded, and nothing is deleted. Inspect them with `ckrun verify "
+        f"{ctx.storage.url}`; to start from scratch on purpose, move the damaged step "
+        "directories out of the run directory first."
+    )
 
 
 def _load(
@@ -166,6 +191,7 @@ def _load(
     state: MutableMapping[str, Any],
     current: Mapping[str, Any],
     txn: inplace_load.Transaction,
+    found: Scan,
     allow_change: Sequence[str],
     policy: Mapping[str, str] | None,
     seed: int,
@@ -173,7 +199,7 @@ def _load(
     skipped: list[str],
 ) -> Manifest | None:
     want: dict[str, Any] | None = None
-    for m in scan(ctx.storage).manifests:
+    for m in found.manifests:
         drift = gate(ctx, m, current, allow_change=allow_change, policy=policy)
         tree, why = None, ""
         try:

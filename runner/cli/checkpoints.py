@@ -38,7 +38,7 @@ def run_root(run: str, storage: str | None) -> str:
     local = run.removeprefix("file://")
     if "://" in local or (storage is None and os.path.isdir(local)):
         return run
-    from ckrun.cli.commands import locate
+    from ckrun.cli.locate import locate
     from ckrun.errors import ConfigError
 
     try:

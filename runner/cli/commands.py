@@ -14,12 +14,22 @@ import dataclasses
 import datetime as dt
 import os
 import shlex
-import signal
-import socket
 from collections.abc import Mapping
 from typing import Any
 
-from ckrun.cli.suggest import check_script, close_run_names
+from ckrun.cli.locate import (
+    STATE_POINTER,
+    absolute_paths,
+    detect_backend,
+    hint,
+    locate,
+    located_config,
+    relocated,
+    run_storage,
+    scheduler_for,
+)
+from ckrun.cli.requests import cancel, preempt
+from ckrun.cli.suggest import check_script
 from ckrun.config import (
     RunConfig,
     build_notice_sources,
@@ -29,22 +39,27 @@ from ckrun.config import (
 )
 from ckrun.errors import (
     CkrunError,
-    ConfigError,
     ExitCode,
     IncompatibleCheckpoint,
     RunLocked,
     UsageError,
 )
 from ckrun.notices import iso_utc, utcnow
-from ckrun.scheduler.base import JobSpec, Scheduler, get_scheduler
+from ckrun.scheduler.base import JobSpec
 from ckrun.storage.fsutil import write_json_atomic
 from ckrun.supervisor.budgets import RunDirBudgets
 from ckrun.supervisor.rundir import (
-    CANCEL_REQUEST,
-    PREEMPT_REQUEST,
     RunDir,
-    read_json,
 )
+
+#: ``cancel``, ``preempt`` (:mod:`ckrun.cli.requests`) and the run-finding helpers
+#: (:mod:`ckrun.cli.locate`) are re-exported: ``ckrun.cli.commands.cancel`` etc. keep working.
+__all__ = [
+    "STATE_POINTER", "absolute_paths", "cancel", "default_run_name", "detect_backend",
+    "hint", "job_env", "launch_diff", "locate", "located_config", "preempt", "reconcile",
+    "relocated", "remember_state_root", "run", "run_storage", "say", "scheduler_for",
+    "submit", "supervise",
+]  # fmt: skip
 
 
 def say(msg: str) -> None:
@@ -62,37 +77,6 @@ def default_run_name(command: tuple[str, ...]) -> str:
     stem = os.path.splitext(os.path.basename(script))[0]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).lstrip(".-") or "run"
     return f"{stem}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}"
-
-
-def detect_backend(env: Mapping[str, str] | None = None) -> str:
-    """``slurm`` when ``SLURM_JOB_ID`` is set, ``k8s`` with ``KUBERNETES_SERVICE_HOST``."""
-    env = os.environ if env is None else env
-    if env.get("SLURM_JOB_ID"):
-        return "slurm"
-    if env.get("KUBERNETES_SERVICE_HOST"):
-        return "k8s"
-    return "local"
-
-
-def scheduler_for(backend: str, cfg: RunConfig | None) -> Scheduler:
-    """Instantiate ``backend``, giving it the run's options when they are its own.
-
-    The options always reach the backend (no silent fallback to defaults): a backend
-    that cannot take them fails loudly.
-    """
-    opts = cfg.options if cfg is not None and cfg.scheduler == backend else None
-    if opts is None:
-        return get_scheduler(backend)
-    return get_scheduler(backend, options=opts)
-
-
-def _absolute(cfg: RunConfig) -> RunConfig:
-    """Local storage and state paths made absolute (run.json must not depend on cwd)."""
-    st = cfg.storage
-    if is_local_storage(st):
-        st = os.path.abspath(st.removeprefix("file://"))
-    sd = os.path.abspath(cfg.state_dir) if cfg.state_dir else ""
-    return dataclasses.replace(cfg, storage=st, state_dir=sd)
 
 
 def launch_diff(old: RunConfig, new: RunConfig) -> list[str]:
@@ -129,41 +113,6 @@ def reconcile(frozen: RunConfig | None, cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def hint(verb: str, name: str, storage: str, *extra: str) -> str:
-    """A command to suggest in a message, with the ``--storage`` that found the run, so
-    it works as pasted from any directory: ``ckrun status r1 --storage /abs/runs``."""
-    return shlex.join(["ckrun", verb, name, *extra, "--storage", storage])
-
-
-def locate(name: str, storage: str | None) -> RunDir:
-    """The state directory of run ``name``.
-
-    Raises:
-        ConfigError: ``name`` is not a valid run name.
-        UsageError: no run of that name exists there.
-    """
-    cfg = located_config(name, storage)
-    rd = RunDir(cfg.state_root)
-    if not rd.exists():  # a profile's state_dir put it elsewhere: the submit left a pointer
-        moved = read_json(os.path.join(cfg.state_root, STATE_POINTER)) or {}
-        if moved.get("state_root") and RunDir(str(moved["state_root"])).exists():
-            rd = RunDir(str(moved["state_root"]))
-    if not rd.exists():
-        close = close_run_names(name, cfg.storage)
-        raise UsageError(
-            f"no run {name!r} under {cfg.storage}"
-            + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
-            + f" (no {rd.run_json}); pass --storage DIR "
-            f"where it was submitted; `{shlex.join(['ckrun', 'runs', '--storage', cfg.storage])}`"
-            " lists the runs there"
-        )
-    return rd
-
-
-#: In the state directory :func:`locate` looks in: where the run's state really is.
-STATE_POINTER = "state-root.json"
-
-
 def remember_state_root(cfg: RunConfig) -> None:
     """Leave a pointer (:data:`STATE_POINTER`) where :func:`locate` looks for run
     ``cfg.run`` under ``cfg.storage`` when a profile's ``state_dir`` keeps its state
@@ -187,24 +136,6 @@ def remember_state_root(cfg: RunConfig) -> None:
             f"note: cannot write {default} ({e.strerror}): commands that take run "
             f"{cfg.run!r} find it only with CKRUN_STATE_DIR={os.path.dirname(here)}"
         )
-
-
-def located_config(name: str, storage: str | None) -> RunConfig:
-    """The configuration a command that takes a run resolves for ``name`` under
-    ``storage`` (the local profile, paths made absolute), before reading ``run.json``.
-
-    Raises:
-        ConfigError: ``name`` is not a valid run name.
-    """
-    check_run_name(name)
-    return _absolute(resolve("local", {"storage": storage} if storage else {}, run=name))
-
-
-def run_storage(rd: RunDir) -> str:
-    """The storage base a run was frozen with (for :func:`hint`); the state directory's
-    parent when ``run.json`` does not say."""
-    body = read_json(rd.run_json) or {}
-    return str(body.get("storage") or os.path.dirname(rd.root))
 
 
 def supervise(
@@ -283,7 +214,7 @@ def submit(
     line) goes to stdout, so it pipes into ``sbatch`` or ``kubectl apply -f -``; the
     resolved configuration precedes it only with ``show_config``."""
     name = default_run_name(command) if run_name is None else check_run_name(run_name)
-    cfg = _absolute(resolve(profile, cli, run=name, command=command))
+    cfg = absolute_paths(resolve(profile, cli, run=name, command=command))
     local = cfg.scheduler == "local"
     if local and not dry_run:
         check_script(command)
@@ -398,7 +329,7 @@ def run(
 ) -> int:
     """``ckrun run``: the supervisor alone, for run ``run_name``; returns the exit code."""
     check_run_name(run_name)
-    base = _absolute(resolve(profile or "local", cli, run=run_name, command=command))
+    base = absolute_paths(resolve(profile or "local", cli, run=run_name, command=command))
     rundir = RunDir(base.state_root)
     frozen = rundir.load_config()
     if frozen is None:
@@ -422,82 +353,3 @@ def run(
     src = base.sources.get("wait_for_lease_s", "default")
     wait = (base.wait_for_lease_s, src) if src != "default" else None
     return supervise(cfg, run_name, scheduler, frozen=frozen, wait_for_lease=wait)
-
-
-def relocated(frozen: RunConfig, found: RunConfig, *, given: bool) -> tuple[str, str]:
-    """Where the run lives now: the location it was *found* at, not the frozen one.
-
-    ``run.json`` freezes absolute paths; after the file system moved or is mounted
-    elsewhere (a new node) they are stale.  The run was found under ``found``'s state
-    root, so that state dir (and, for local storage or an explicit ``--storage``, that
-    storage) is the truth; the frozen config never redirects the run elsewhere.
-    """
-    storage = found.storage if given or is_local_storage(frozen.storage) else frozen.storage
-    return storage, found.state_dir
-
-
-def _signal_holder(holder: dict[str, Any]) -> str:
-    pid, host = holder.get("pid"), holder.get("host")
-    if host == socket.gethostname() and isinstance(pid, int):
-        try:
-            os.kill(pid, signal.SIGUSR2)
-            return f"supervisor pid {pid}"
-        except ProcessLookupError:
-            pass
-    return f"supervisor pid {pid} on {host} (it polls the request)"
-
-
-def cancel(name: str, storage: str | None) -> str:
-    """``ckrun cancel``: mark the run cancelled and stop its supervisor or job.
-
-    A run that is complete (``COMPLETE.json``) is left as it is and the message says so.
-    """
-    rd = locate(name, storage)
-    done = _final_step(rd)
-    if done is not None and rd.live_holder() is None:
-        return f"run {name} is complete (final step {done}): nothing to cancel"
-    write_json_atomic(
-        rd.cancelled_path,
-        {"cancelled_utc": iso_utc(utcnow()), "by": f"{socket.gethostname()}:{os.getpid()}"},
-    )
-    holder = rd.live_holder()
-    if holder is not None:
-        rd.request(CANCEL_REQUEST, {"requested_utc": iso_utc(utcnow())})
-        return f"run {name}: cancel sent to {_signal_holder(holder)}; it checkpoints and stops"
-    job = read_json(rd.job_json)
-    if job and job.get("backend") not in (None, "local"):
-        # the profile's options as at submit (e.g. the Kubernetes namespace, Slurm cluster)
-        scheduler_for(str(job["backend"]), rd.load_config()).cancel(str(job["job_id"]))
-        return f"run {name}: {job['backend']} job {job['job_id']} cancelled"
-    return f"run {name}: no live supervisor; marked cancelled (a resubmit clears it)"
-
-
-def _final_step(rd: RunDir) -> int | None:
-    """The final step of a complete run (valid ``COMPLETE.json``), else None."""
-    from ckrun.checkpoint.discovery import completion
-    from ckrun.supervisor.preflight import open_run_storage
-
-    cfg = rd.load_config()
-    if cfg is None or not (is_local_storage(cfg.storage) or cfg.storage.startswith("s3://")):
-        return None  # pvc:CLAIM is mounted in the pods only: nothing to open here
-    marker, _problem = completion(open_run_storage(cfg))
-    return None if marker is None else int(marker.final_step)
-
-
-def preempt(name: str, storage: str | None, lead_s: float | None = None) -> str:
-    """``ckrun preempt``: ask the live supervisor for a drill notice.
-
-    Raises:
-        UsageError: the run has no live supervisor.
-    """
-    rd = locate(name, storage)
-    holder = rd.live_holder()
-    if holder is None:
-        raise UsageError(f"run {name!r} has no live supervisor: nothing to preempt")
-    body: dict[str, Any] = {"requested_utc": iso_utc(utcnow())}
-    if lead_s is not None:
-        if lead_s <= 0:
-            raise ConfigError("--lead must be > 0 seconds")
-        body["lead_s"] = lead_s
-    rd.request(PREEMPT_REQUEST, body)
-    return f"run {name}: drill notice sent to {_signal_holder(holder)}"

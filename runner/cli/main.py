@@ -17,48 +17,26 @@ to its exit code (DESIGN.md §3).  Heavy imports stay lazy: ``ckrun --help`` and
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import logging
 import sys
 from typing import Any
 
 import click
+from ckrun.cli.params import (
+    CMD_CONTEXT,
+    SUBMIT_CONTEXT,
+    SubmitCommand,
+    allow_opt,
+    backend_options,
+    cli_values,
+    command_argv,
+    own_checkpoint_options,
+    own_checkpoint_values,
+    parse_settings,
+    storage_opt,
+)
 from ckrun.errors import STORAGE_ERRNOS, CkrunError, ExitCode, IncompatibleCheckpoint, map_os_error
-
-#: ``ckrun run``: everything after the first positional is the command.
-_CMD = {"ignore_unknown_options": True, "allow_interspersed_args": False}
-#: ``ckrun submit``: ckrun's options may come before or after the script; unknown options
-#: go to the script; after ``--`` everything is the script's (use it when a script option
-#: has the name of a ckrun option, e.g. ``--storage``).
-_SUBMIT = {"ignore_unknown_options": True, "allow_interspersed_args": True}
-
-
-def _command(args: tuple[str, ...]) -> tuple[str, ...]:
-    """``train.py ARGS`` → ``(sys.executable, train.py, ARGS)``; a ``--`` after it is dropped."""
-    if not args:
-        raise click.UsageError("no command given: `ckrun submit train.py` or `-- CMD ...`")
-    rest = list(args[1:])
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    if args[0].endswith(".py"):
-        return (sys.executable, args[0], *rest)
-    return (args[0], *rest)
-
-
-def _settings(items: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.UsageError(f"--set {item!r}: expected KEY=VALUE")
-        out[key.strip().replace("-", "_")] = value
-    return out
-
-
-def _cli_values(**kw: Any) -> dict[str, Any]:
-    return {k: v for k, v in kw.items() if v is not None and v != ()}
-
 
 #: Commands written elsewhere: name -> (module, attribute).  Imported only when the
 #: command is invoked or help is listed, so ``ckrun run`` does not pay for them.
@@ -97,122 +75,10 @@ def main_group() -> None:
     """ckrun: keep long ML training runs alive on preemptible capacity."""
 
 
-_storage_opt = click.option(
-    "--storage",
-    default=None,
-    metavar="DIR",
-    help="Storage base; the run root is DIR/RUN [./ckrun-runs].",
-)
-_allow_opt = click.option(
-    "--allow-change",
-    "allow_change",
-    multiple=True,
-    metavar="FIELD",
-    help="Compat field allowed to differ on resume (repeatable).",
-)
-
-
-def _own_checkpoint_options(f: Any) -> Any:
-    """``--checkpoint-path``, ``--resume-args``, ``--child-signal`` (issue 15)."""
-    f = click.option(
-        "--child-signal",
-        default=None,
-        metavar="SIG",
-        help="Own-checkpoint mode: the signal the script handles for a notice [SIGTERM].",
-    )(f)
-    f = click.option(
-        "--resume-args",
-        default=None,
-        metavar="ARGS",
-        help="Own-checkpoint mode: arguments appended when a checkpoint was restored.",
-    )(f)
-    return click.option(
-        "--checkpoint-path",
-        "checkpoint_paths",
-        multiple=True,
-        metavar="FILE",
-        help="A checkpoint file the script writes itself (repeatable): ckrun commits each "
-        "new version and restores the newest before every restart.",
-    )(f)
-
-
-def _own_checkpoint_values(
-    checkpoint_paths: tuple[str, ...], resume_args: str | None, child_signal: str | None
-) -> dict[str, Any]:
-    import shlex
-
-    return _cli_values(
-        checkpoint_paths=checkpoint_paths,
-        resume_args=tuple(shlex.split(resume_args)) if resume_args else None,
-        child_signal=child_signal,
-    )
-
-
-#: Backend options of ``submit`` (a contract, as the forms above): flag, profile key,
-#: type, help.  Each is the same as ``--set KEY=VALUE``; a key the selected backend does
-#: not have is refused by the config with the list of valid keys.
-_BACKEND_OPTIONS: list[tuple[str, str, Any, str]] = [
-    ("--partition", "partition", str, "Slurm partition."),
-    ("--time", "time", str, "Slurm time limit, e.g. 4:00:00."),
-    ("--nodes", "nodes", int, "Slurm nodes."),
-    ("--gpus-per-node", "gpus_per_node", int, "Slurm GPUs per node."),
-    ("--account", "account", str, "Slurm account."),
-    ("--qos", "qos", str, "Slurm QOS."),
-    ("--image", "image", str, "Kubernetes container image."),
-    ("--namespace", "namespace", str, "Kubernetes namespace."),
-    ("--gpus", "gpus", int, "Kubernetes GPUs per pod."),
-]
-
-
-def _backend_options(f: Any) -> Any:
-    for flag, key, typ, text in reversed(_BACKEND_OPTIONS):
-        f = click.option(flag, key, type=typ, default=None, help=text)(f)
-    return f
-
-
-class _SubmitCommand(click.Command):
-    """``submit``: an unknown option before ``--`` is refused (with click's "did you
-    mean" suggestion) instead of going to the script, when a ``--`` marks where the
-    script's arguments start; without ``--`` it goes to the script as before, with a
-    note when it looks like a misspelled ckrun option."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        known = sorted(
-            {
-                o
-                for p in self.params
-                if isinstance(p, click.Option)
-                for o in p.opts + p.secondary_opts
-            }
-        )
-        dashdash = "--" in args
-        before = args[: args.index("--")] if dashdash else args
-        for token in before:
-            if not token.startswith("--") or token == "--":
-                continue
-            name = token.split("=", 1)[0]
-            if name in known:
-                continue
-            if dashdash:
-                close = difflib.get_close_matches(name, known, n=1)
-                raise click.NoSuchOption(name, possibilities=close, ctx=ctx)
-            # without `--` the option is the script's (`train.py --steps 600`): only a
-            # near-exact ckrun option name earns a note
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
-            if close:
-                click.echo(
-                    f"[ckrun] note: {name} is not a ckrun option and goes to the script "
-                    f"(did you mean {' or '.join(close)}?); put the script's arguments "
-                    "after `--` to have ckrun check its own",
-                    err=True,
-                )
-        return super().parse_args(ctx, args)
-
-
-@main_group.command(cls=_SubmitCommand, context_settings=_SUBMIT)
+@main_group.command(cls=SubmitCommand, context_settings=SUBMIT_CONTEXT)
 @click.option("--profile", default="local", show_default=True, help="Profile name.")
 @click.option("--run", "run_name", default=None, help="Run name [script name + UTC time].")
-@_storage_opt
+@storage_opt
 @click.option("--detach", is_flag=True, help="Return at once; supervisor output to a log.")
 @click.option(
     "--dry-run",
@@ -227,7 +93,7 @@ class _SubmitCommand(click.Command):
 @click.option("--max-requeues", type=int, default=None, help="Preemptions allowed.")
 @click.option("--max-failures", type=int, default=None, help="Failures allowed.")
 @click.option("--grace", default=None, metavar="S", help="Notice → exit limit (seconds).")
-@_allow_opt
+@allow_opt
 @click.option(
     "--chaos-preempt-every",
     default=None,
@@ -256,8 +122,8 @@ class _SubmitCommand(click.Command):
     metavar="KEY=VALUE",
     help="Any profile key, e.g. --set image=IMG --set partition=gpu (repeatable).",
 )
-@_backend_options
-@_own_checkpoint_options
+@backend_options
+@own_checkpoint_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def submit(
     profile: str,
@@ -284,9 +150,9 @@ def submit(
     after `--` (e.g. `ckrun submit train.py --run r1 -- --steps 600`)."""
     from ckrun.cli import commands as launch
 
-    cli = _settings(settings)
+    cli = parse_settings(settings)
     cli.update(
-        _cli_values(
+        cli_values(
             storage=storage,
             max_requeues=max_requeues,
             max_failures=max_failures,
@@ -295,13 +161,13 @@ def submit(
             chaos_preempt_every=chaos_preempt_every,
         )
     )
-    cli.update(_cli_values(**backend))
-    cli.update(_own_checkpoint_values(checkpoint_paths, resume_args, child_signal))
+    cli.update(cli_values(**backend))
+    cli.update(own_checkpoint_values(checkpoint_paths, resume_args, child_signal))
     return int(
         launch.submit(
             profile,
             cli,
-            _command(args),
+            command_argv(args),
             run_name,
             detach=detach,
             dry_run=dry_run,
@@ -310,17 +176,17 @@ def submit(
     )
 
 
-@main_group.command(context_settings=_CMD)
+@main_group.command(context_settings=CMD_CONTEXT)
 @click.option("--run", "run_name", required=True, help="Run name.")
-@_storage_opt
-@_allow_opt
+@storage_opt
+@allow_opt
 @click.option("--profile", default=None, help="Profile when the run has no run.json yet.")
 @click.option(
     "--scheduler",
     default=None,
     help="Backend for requeue [autodetect: SLURM_JOB_ID, KUBERNETES_SERVICE_HOST].",
 )
-@_own_checkpoint_options
+@own_checkpoint_options
 @click.option(
     "--wait-for-lease",
     "wait_for_lease",
@@ -345,15 +211,15 @@ def run(
     """Supervise a run in this process (what Slurm, Kubernetes and boot scripts call)."""
     from ckrun.cli import commands as launch
 
-    cmd = _command(args) if args else ()
-    cli = _cli_values(storage=storage, allow_change=allow_change, wait_for_lease_s=wait_for_lease)
-    cli.update(_own_checkpoint_values(checkpoint_paths, resume_args, child_signal))
+    cmd = command_argv(args) if args else ()
+    cli = cli_values(storage=storage, allow_change=allow_change, wait_for_lease_s=wait_for_lease)
+    cli.update(own_checkpoint_values(checkpoint_paths, resume_args, child_signal))
     return int(launch.run(run_name, cli, cmd, profile=profile, scheduler=scheduler))
 
 
 @main_group.command()
 @click.argument("name")
-@_storage_opt
+@storage_opt
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (numbers).")
 @click.option(
     "--html",
@@ -386,7 +252,7 @@ def status(
 
 @main_group.command()
 @click.argument("name")
-@_storage_opt
+@storage_opt
 def cancel(name: str, storage: str | None) -> int:
     """Stop run NAME for good (the child checkpoints first); later starts refuse to run."""
     from ckrun.cli import commands as launch
@@ -397,7 +263,7 @@ def cancel(name: str, storage: str | None) -> int:
 
 @main_group.command()
 @click.argument("name")
-@_storage_opt
+@storage_opt
 @click.option("--lead", default=None, metavar="S", help="Notice lead time [grace].")
 def preempt(name: str, storage: str | None, lead: str | None) -> int:
     """Deliver a drill notice to run NAME's live supervisor (test the resume path)."""

@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-# file name / top-level key -> run-state name (the causal order of resume_check._HINTS)
+# file name / top-level key -> run-state name (the causal order of resume_compare.HINTS)
 _HF_FILES = {
     "trainer_state.json": "user.progress",
     "scheduler.pt": "user.scheduler",

@@ -128,7 +128,7 @@ def _finished(rd: Any) -> bool:
 def logs(name: str, storage: str | None, follow: bool) -> None:
     """The supervisor's and the training process's output of run NAME (detached or
     scheduled runs; a foreground run printed to its terminal)."""
-    from ckrun.cli.commands import hint, run_storage
+    from ckrun.cli.locate import hint, run_storage
     from ckrun.cli.status import locate
     from ckrun.report.stored import StoredRunDir, event_line, stored_events
     from ckrun.report.stored import run_storage as open_stored

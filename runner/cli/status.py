@@ -33,8 +33,8 @@ def locate(name: str, storage: str | None) -> RunDir:
         ConfigError: ``name`` is not a valid run name.
         UsageError: no run of that name exists there, locally or in its storage.
     """
-    from ckrun.cli.commands import locate as _locate
-    from ckrun.cli.commands import located_config
+    from ckrun.cli.locate import locate as _locate
+    from ckrun.cli.locate import located_config
     from ckrun.report.stored import find_in_storage
 
     try:

@@ -32,9 +32,11 @@ from ckrun.notices import NoticeSource
 from ckrun.scheduler.base import JobInfo, JobSpec, JobState, RequeueOutcome
 from ckrun.scheduler.slurm_jobs import (
     TimeLimitWatcher,
+    check_lead_time,
     map_state,
     parse_job_record,
     parse_slurm_time,
+    parse_time_limit_s,
     validate_job_id,
 )
 from ckrun.scheduler.slurm_options import Options, options_from_mapping
@@ -221,6 +223,10 @@ class SlurmScheduler:
         ``SLURM_RESTART_COUNT`` (unset on the first run -> 0); ``rank`` is
         ``SLURM_PROCID`` (the node index with one task per node); the end time is read
         with :meth:`end_time` (None when Slurm cannot be asked).
+
+        Raises:
+            ConfigError: an odd job id, or :attr:`lead_s` not shorter than the job's
+                time limit (:meth:`check_lead_time`).
         """
         env = self._env
         raw = env.get("SLURM_JOB_ID", "").strip()
@@ -232,6 +238,7 @@ class SlurmScheduler:
         )
         job_id = f"{array_job}_{array_task}" if array_job and array_task else raw
         job_id = validate_job_id(job_id)
+        self.check_lead_time(job_id)
         end = self.end_time(job_id)
         detail = {
             "slurm_job_id": raw, "array_job_id": array_job or None,
@@ -248,6 +255,27 @@ class SlurmScheduler:
             time_limit_end_utc=_iso(end),
             detail=detail,
         )
+
+    def check_lead_time(self, job_id: str) -> None:
+        """Refuse to supervise a job whose time limit is not longer than :attr:`lead_s`
+        (:func:`~ckrun.scheduler.slurm_jobs.check_lead_time`): the job's ``TimeLimit``
+        from ``scontrol show job``; no check when Slurm cannot be asked or the job has
+        no limit (``UNLIMITED``).
+
+        Raises:
+            ConfigError: ``lead_s`` >= the time limit; names both values and the fix.
+        """
+        text = self.job_record(job_id).get("TimeLimit", "")
+        try:
+            limit_s = parse_time_limit_s(text)
+        except ConfigError:  # "", UNLIMITED, Partition_Limit: nothing to compare with
+            return
+        check_lead_time(
+            self.lead_s, limit_s, f"the job's TimeLimit={text}",
+            f"submit with a --time longer than the lead, or a shorter lead: "
+            f"sbatch --signal=B:USR1@LEAD together with {LEAD_ENV}=LEAD (slurm/ckrun.sbatch), "
+            "or the slurm profile's lead_s (ckrun submit)",
+        )  # fmt: skip
 
     def notice_sources(self, job: JobInfo | None) -> list[NoticeSource]:
         """The time-limit watcher for ``job`` (fires ``lead_s`` before its end time)."""

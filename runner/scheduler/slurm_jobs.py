@@ -77,6 +77,36 @@ def parse_time_limit_s(text: str) -> int:
     return secs
 
 
+def check_lead_time(lead_s: int, limit_s: int, limit_text: str, fix: str) -> None:
+    """Refuse a notice lead time that is not shorter than the job's time limit.
+
+    sbatch(1) ``--signal``: "When a job is within sig_time seconds of its end time, send
+    it the signal sig_num" (up to 60 s earlier, by the resolution of Slurm's timer).  A
+    lead of the whole limit or more is therefore due from the job's start: Slurm sends
+    the warning at its first timer check (measured 0.8 s after launch on 22.05) and
+    ckrun's time-limit watcher fires at once as well, so every attempt would checkpoint
+    and requeue straight away, without end.  Slurm accepts such a job, so ckrun refuses
+    it: at ``ckrun submit`` (the profile's ``time`` and ``lead_s``) and when the
+    supervisor starts in the job (``TimeLimit`` against ``CKRUN_LEAD_S``).
+
+    Args:
+        lead_s: the notice lead time in seconds.
+        limit_s: the job's time limit in seconds.
+        limit_text: how the limit was given (``time='2'``, ``the job's TimeLimit=00:02:00``).
+        fix: what to change, appended to the message.
+
+    Raises:
+        ConfigError: ``lead_s`` is negative or not shorter than ``limit_s``; the message
+            names both values and ``fix``.
+    """
+    if not 0 <= lead_s < limit_s:
+        raise ConfigError(
+            f"lead_s={lead_s} must be >= 0 and shorter than {limit_text} "
+            f"({limit_s} s), else Slurm's warning is due at once and every attempt is "
+            f"told to stop as it starts: {fix}"
+        )
+
+
 def parse_slurm_time(text: str) -> dt.datetime | None:
     """A Slurm timestamp (``2026-11-29T08:33:35``, local time) as aware UTC, or None.
 

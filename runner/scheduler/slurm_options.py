@@ -14,7 +14,7 @@ from typing import Any
 
 from ckrun.errors import ConfigError
 from ckrun.options import coerce_fields
-from ckrun.scheduler.slurm_jobs import parse_time_limit_s
+from ckrun.scheduler.slurm_jobs import check_lead_time, parse_time_limit_s
 
 #: signals Slurm's ``--signal`` accepts that make sense as a notice.
 SIGNALS = ("HUP", "INT", "QUIT", "TERM", "URG", "USR1", "USR2", "XCPU")
@@ -90,11 +90,10 @@ class Options:
         limit_s = parse_time_limit_s(self.time)
         if self.nodes < 1:
             raise ConfigError(f"nodes must be at least 1, got {self.nodes}")
-        if not 0 <= self.lead_s < limit_s:
-            raise ConfigError(
-                f"lead_s={self.lead_s} must be >= 0 and shorter than time={self.time!r} "
-                f"({limit_s} s), else every attempt is told to stop at once"
-            )
+        check_lead_time(
+            self.lead_s, limit_s, f"time={self.time!r}",
+            "give the slurm profile a longer time or a shorter lead_s",
+        )  # fmt: skip
         if not self.use_srun and self.nodes > 1:
             raise ConfigError("use_srun: false runs one supervisor, so nodes must be 1")
         if not self.launcher.strip():

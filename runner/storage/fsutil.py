@@ -1,7 +1,8 @@
 """Small durable-file helpers shared by the supervisor and the training-side library:
-atomic JSON and piece writes, fsync of files and directories (one at a time, or
-concurrently so the filesystem journal batches them), and directory creation whose new
-entries are made durable."""
+an atomic JSON write, pieces written to a file (atomically or under a temp name),
+directory and path fsyncs (one at a time or concurrently, batched by the filesystem
+journal), and directory creation whose new entries are made durable.
+"""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def write_pieces_atomic(path: str, pieces: Iterable[bytes | memoryview]) -> None
 
 
 def fsync_dir(path: str) -> None:
-    """fsync the directory ``path`` so its new entries survive a power cut."""
+    """fsync the directory ``path`` so its new entries (a rename, a new file) survive a
+    power cut."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -145,8 +147,9 @@ def fsync_paths(paths: Sequence[str], also: int | None = None) -> None:
 def make_dirs(root: str, d: str, *, sync: bool = True) -> list[str]:
     """Create ``d`` (under ``root``); returns the parents of the new entries, deepest
     first, and fsyncs them now unless ``sync`` is False (then the caller must fsync them
-    before relying on ``d``: :meth:`LocalWriter.commit` does, after the file's own
-    fsync, so one journal commit covers the new directories and the file on ext4).
+    before relying on ``d``: :meth:`ckrun.storage.local_writer.LocalWriter.commit` does,
+    after the file's own fsync, so one journal commit covers the new directories and the
+    file on ext4).
 
     Raises:
         StorageError: a directory cannot be created or synced.

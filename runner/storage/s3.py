@@ -36,15 +36,10 @@ from ckrun.errors import (
 )
 from ckrun.storage.base import ObjectInfo, validate_key
 from ckrun.storage.progress import Progress
+from ckrun.storage.s3_client import make_client, map_s3_error
 from ckrun.storage.s3_options import MiB, S3Options
 from ckrun.storage.s3_read import ResumableReader, download_verified
-from ckrun.storage.s3_transfer import (
-    CRC_META,
-    RateLimiter,
-    S3Writer,
-    make_client,
-    map_s3_error,
-)
+from ckrun.storage.s3_transfer import CRC_META, RateLimiter, S3Writer
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:

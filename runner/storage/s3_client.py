@@ -1,21 +1,18 @@
-"""The boto3 S3 client of a :class:`~ckrun.storage.s3.S3Storage` (retry, timeout and pool
-settings from :class:`~ckrun.storage.s3_options.S3Options`) and the mapping of its errors
-to ckrun's :class:`~ckrun.errors.StorageError` family, each naming the fix.
+"""The S3 client ckrun uses and how its errors read (used by :mod:`ckrun.storage.s3`).
+
+:func:`make_client` builds a boto3 client with the retry mode, attempts, timeouts and
+connection pool of :class:`~ckrun.storage.s3_options.S3Options` (botocore ``Config``);
+:func:`map_s3_error` turns a botocore exception into the most specific
+:class:`~ckrun.errors.StorageError` (missing credentials, unreachable endpoint, missing
+bucket or key, a lost conditional write, access denied, throttling), each naming the fix.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ckrun.errors import (
-    ObjectExists,
-    ObjectNotFound,
-    StorageError,
-    StoragePermissionError,
-)
+from ckrun.errors import ObjectExists, ObjectNotFound, StorageError, StoragePermissionError
 from ckrun.storage.s3_options import S3Options
-
-__all__ = ["make_client", "map_s3_error"]
 
 
 def make_client(options: S3Options) -> Any:

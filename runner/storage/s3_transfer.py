@@ -1,5 +1,5 @@
-"""Streaming S3 writes and reads with end-to-end CRC32C (used by :mod:`ckrun.storage.s3`;
-the client and its error mapping are :mod:`ckrun.storage.s3_client`'s).
+"""Streaming S3 writes with end-to-end CRC32C (used by :mod:`ckrun.storage.s3`; reads are
+:mod:`ckrun.storage.s3_read`, the client and its errors :mod:`ckrun.storage.s3_client`).
 
 :class:`S3Writer` buffers up to ``multipart_threshold_bytes``; a smaller object becomes one
 ``PutObject``, a larger one a multipart upload of ``multipart_chunk_bytes`` parts sent by
@@ -19,7 +19,6 @@ The checksums are computed with the ``crc32c`` package instead of botocore's
 from __future__ import annotations
 
 import base64
-import io
 import threading
 import time
 from collections import deque
@@ -34,19 +33,7 @@ from ckrun.errors import (
     StorageError,
 )
 from ckrun.storage.base import ObjectInfo
-from ckrun.storage.s3_client import make_client, map_s3_error
 from ckrun.storage.s3_options import S3Options
-
-__all__ = [
-    "CRC_META",
-    "CheckedReader",
-    "RateLimiter",
-    "S3Bucket",
-    "S3Writer",
-    "b64crc",
-    "make_client",
-    "map_s3_error",
-]
 
 #: User metadata key holding the object's CRC32C (single PUTs), read back by every GET so
 #: the check does not depend on the store returning ``x-amz-checksum-crc32c``.
@@ -321,41 +308,3 @@ class S3Writer:
             self.commit()
         else:
             self.abort()
-
-
-class CheckedReader(io.RawIOBase):
-    """A raw reader over a ``StreamingBody`` that checks the CRC32C at end of stream.
-
-    ``expected`` is the object's full-object CRC32C (int) or None when S3 has none.
-    Raises ``StorageError`` from ``readinto`` when the bytes read do not match.
-    """
-
-    def __init__(self, body: Any, key: str, expected: int | None) -> None:
-        super().__init__()
-        self._body = body
-        self._key = key
-        self._expected = expected
-        self._crc = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        data = self._body.read(len(mv))
-        n = len(data)
-        mv[:n] = data
-        if n:
-            self._crc = crc32c.crc32c(data, self._crc)
-        elif self._expected is not None and self._crc != self._expected:
-            raise StorageError(
-                f"CRC32C mismatch reading {self._key}: the object is corrupt or was "
-                "replaced during the read; read it again or fall back to an older checkpoint"
-            )
-        return n
-
-    def close(self) -> None:
-        try:
-            self._body.close()
-        finally:
-            super().close()

@@ -2,7 +2,7 @@
 and the scheduler's answer to a requeue (DESIGN.md §4.5).
 
 When the child's session is empty the supervisor reads the newest commit in the run's
-storage and the library's exit-reason record (:func:`ckrun.control.read_exit_reason`): it
+storage and the library's exit-reason record (:func:`ckrun.control_files.read_exit_reason`): it
 checks the checkpoint itself instead of taking the child's word.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ckrun import control
+from ckrun import control_files
 from ckrun.errors import CkrunError
 from ckrun.runlog import EventLog
 from ckrun.scheduler.base import JobInfo, RequeueOutcome, Scheduler
@@ -44,7 +44,7 @@ def attempt_end(
     from ckrun.supervisor.preflight import attempt_commits, is_complete, newest
 
     step, save_s = newest(storage)
-    why = control.read_exit_reason(rundir.control_dir) or {}
+    why = control_files.read_exit_reason(rundir.control_dir) or {}
     events.append(
         "attempt_end",
         status=status,

@@ -23,7 +23,7 @@ import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ckrun import control
+from ckrun import control_files
 from ckrun.config import RunConfig
 from ckrun.notices import (
     DRILL,
@@ -120,7 +120,7 @@ class NoticeIntake:
         """Drain on a peer notice (taken once; [] when there is none).  Not ``self_term``:
         this machine stays; the scheduler decides (Kubernetes, Slurm: requeued, exit 75;
         the local backend restarts here)."""
-        body = control.take_peer_notice(self.rundir.control_dir)
+        body = control_files.take_peer_notice(self.rundir.control_dir)
         if body is None:
             return []
         n = Notice.with_lead(PREEMPTION, "peer:agreed-step", self.cfg.grace_s, body)

@@ -46,8 +46,9 @@ from collections.abc import Callable
 from signal import Signals
 from typing import IO, Any
 
-from ckrun import control
 from ckrun.config import RunConfig
+from ckrun.control_files import clear as clear_control
+from ckrun.control_files import reserve_exit_reason, write_escalation, write_notice
 from ckrun.errors import CkrunError
 from ckrun.notices import Notice, NoticeSource, utcnow
 from ckrun.runlog import EventLog
@@ -299,16 +300,14 @@ class Supervisor:
             n = self.intake.last_notice
             detail = dict(n.detail) if n is not None and n.source == a.source else {}
             notice = Notice.with_lead(a.kind, a.source, a.seconds_left, detail)
-            self._try("write notice.json", control.write_notice, self.rundir.control_dir, notice)
+            self._try("write notice.json", write_notice, self.rundir.control_dir, notice)
         elif isinstance(a, sm.Deliver):
             count = kid.deliver(self._notice_sig(), to_script=self.watched is not None)
             return None if count is None else sm.Delivered(count, self.clock.monotonic())
         elif isinstance(a, sm.SignalGroup):
             kid.signal(a.sig)
         elif isinstance(a, sm.Escalate) and kid.current is not None:
-            self._try(
-                "write the escalation mark", control.write_escalation, self.rundir.control_dir
-            )
+            self._try("write the escalation mark", write_escalation, self.rundir.control_dir)
             kid.signal(signal.SIGTERM)
         elif isinstance(a, sm.Kill):
             kid.signal(signal.SIGKILL)
@@ -373,8 +372,8 @@ class Supervisor:
             self.lock.update(attempt=attempt)
 
     def _spawn(self, a: sm.Spawn) -> sm.Event | None:
-        self._try("clear control/", control.clear, self.rundir.control_dir)
-        control.reserve_exit_reason(self.rundir.control_dir)
+        self._try("clear control/", clear_control, self.rundir.control_dir)
+        reserve_exit_reason(self.rundir.control_dir)
         self.events.attempt = a.attempt
         self._try("update the lock holder", self._hold, a.attempt)
         try:

@@ -61,8 +61,9 @@ class ChildExited:
         complete: a valid COMPLETE.json exists now.
         save_s: the newest checkpoint's own save duration (manifest), seconds.
         reason: the exit-reason record the library wrote before exiting
-            (:func:`ckrun.control.read_exit_reason`: ``preempted``, ``incompatible``,
-            ``config_invalid``, ``storage_full``, ``storage_denied``), None without one.
+            (:func:`ckrun.control_files.read_exit_reason`: ``preempted``, ``incompatible``,
+            ``config_invalid``, ``storage_full``, ``storage_denied``,
+            ``checkpoints_unusable``), None without one.
             Only a record makes an exit 3/4/5 ckrun's and a status 0 a preemption.
         detail: the record's message.
     """

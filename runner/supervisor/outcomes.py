@@ -40,7 +40,7 @@ _TERMINATED_BY_TERM = 128 + int(signal.SIGTERM)
 #: Exit code after Ctrl-C (130: 128 + SIGINT, the shell convention).
 INTERRUPTED = int(ExitCode.INTERRUPTED)
 #: Exit-reason records that make a status 5 the library's (see ChildExited.reason).
-_STORAGE_REASONS = ("storage_full", "storage_denied")
+_STORAGE_REASONS = ("storage_full", "storage_denied", "checkpoints_unusable")
 
 Result = tuple[State, list[Action]]
 

@@ -195,9 +195,9 @@ class WatchedFiles:
 
 
 def mark_started(control_dir: str, pid: int) -> None:
-    """Write the child's training-start stamp (``control.TRAINING_FILE``) on its behalf:
+    """Write the child's training-start stamp (``control_files.TRAINING_FILE``) on its behalf:
     an unmodified script cannot report its first step, so chaos drills count from spawn."""
-    from ckrun.control import TRAINING_FILE
+    from ckrun.control_files import TRAINING_FILE
     from ckrun.notices import iso_utc, utcnow
     from ckrun.storage.fsutil import write_json_atomic
 

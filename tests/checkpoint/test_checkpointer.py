@@ -18,6 +18,7 @@ from ckrun.checkpoint import discovery, layout
 from ckrun.errors import (
     ConfigError,
     IncompatibleCheckpoint,
+    NoUsableCheckpoint,
     RunComplete,
     RunLocked,
     StorageFull,
@@ -411,3 +412,68 @@ def test_retention_runs_after_the_commit_off_the_save_return(run_dir: Path) -> N
     ck.close()
     assert deleted and not (run_dir / layout.manifest_key(1)).exists()
     assert [m.step for m in discovery.committed(ckrun.open_storage(str(run_dir)))] == [3]
+
+
+def test_no_usable_checkpoint_refuses_instead_of_starting_from_scratch(run_dir: Path) -> None:
+    """Committed checkpoints exist but none can be read (here: the only shard missing,
+    so nothing was read in place): starting from step 0 would silently throw the run's
+    work away.  load() refuses, names every checkpoint and the fix, and the damaged
+    checkpoint is left where it is for inspection."""
+    s = make_state(1)
+    with _ck(run_dir) as ck:
+        m1 = ck.save(1, s)
+    os.unlink(_shard_path(run_dir, m1))
+    with _ck(run_dir) as ck2, pytest.raises(NoUsableCheckpoint) as e:
+        ck2.load(make_state(2))
+    msg = str(e.value)
+    assert "step 1" in msg and "ckrun verify" in msg and "start from scratch" in msg
+    assert e.value.exit_code == 5
+    assert layout.manifest_key(m1.step) in {
+        i.key for i in ckrun.open_storage(str(run_dir)).list("")
+    }
+    with _ck(run_dir / "empty") as ck3:  # a run with no checkpoint still starts fresh
+        assert ck3.load(make_state(3)) is None
+
+
+def test_an_unparsable_only_manifest_refuses_too(run_dir: Path) -> None:
+    s = make_state(1)
+    with _ck(run_dir) as ck:
+        m1 = ck.save(1, s)
+    mpath = run_dir / layout.manifest_key(m1.step)
+    mpath.write_text("{ not json")
+    with _ck(run_dir) as ck2, pytest.raises(NoUsableCheckpoint) as e:
+        ck2.load(make_state(2))
+    assert layout.manifest_key(m1.step) in str(e.value)
+
+
+def test_a_script_finding_no_usable_checkpoint_exits_5_with_a_stop_record(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """The uncaught NoUsableCheckpoint leaves the exit-reason record that makes the
+    supervisor stop instead of restarting into the same refusal (a restart cannot help)."""
+    from ckrun import control
+
+    with _ck(run_dir) as ck:
+        m1 = ck.save(1, make_state(1))
+    os.unlink(_shard_path(run_dir, m1))
+    cdir = tmp_path / "control"
+    cdir.mkdir()
+    control.reserve_exit_reason(str(cdir))
+    code = (  # from_env installs the library's excepthook, as a supervised script gets
+        "import ckrun, sys; sys.path.insert(0, sys.argv[2]); "
+        "from ckpt_helpers import COMPAT, make_state; "
+        "ckrun.Checkpointer.from_env(storage=sys.argv[1], compat=COMPAT).load(make_state(2))"
+    )
+    helpers = str(Path(__file__).parent)
+    env = dict(os.environ, CKRUN_CONTROL_DIR=str(cdir))
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(run_dir), helpers],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 5, r.stderr
+    rec = control.read_exit_reason(str(cdir))
+    assert rec is not None and rec["reason"] == "checkpoints_unusable", rec
+    assert "ckrun verify" in r.stderr

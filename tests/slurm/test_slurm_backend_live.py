@@ -102,7 +102,8 @@ def test_refused_requeue_exits_6_with_the_fix(cluster, tmp_path, cancel_jobs) ->
     env = dict(os.environ, CKRUN=f"{PYTHON} {PROBE}", CKRUN_STORAGE=str(tmp_path),
                PROBE_MODE="requeue", CKRUN_LEAD_S="30")  # fmt: skip
     job_id = _sbatch(
-        ["--no-requeue", "--job-name=noreq", "--time=2", f"--output={tmp_path}/%j.out",
+        ["--no-requeue", "--job-name=noreq", "--time=2", "--signal=B:USR1@30",
+         f"--output={tmp_path}/%j.out",
          str(REPO / "slurm" / "ckrun.sbatch"), "python", "train.py"],
         env, tmp_path,
     )  # fmt: skip

@@ -176,7 +176,8 @@ def test_preemption_of_a_batch_shell_within_killwait(cluster, tmp_path, cancel_j
     then KillWait (5 s here) to save; Slurm has already requeued the job by then and
     ``scontrol requeue`` answers "Job is pending execution", which counts as requeued."""
     low = _sbatch(
-        ["--job-name=pre-tpl", "--time=10", "--partition=low", "--cpus-per-task=16",
+        ["--job-name=pre-tpl", "--time=10", "--signal=B:USR1@60", "--partition=low",
+         "--cpus-per-task=16",
          f"--output={tmp_path}/pre-tpl-%j.out", str(REPO / "slurm" / "ckrun.sbatch"),
          PYTHON, *_child_args(tmp_path, "pret", steps=120)],
         _env(tmp_path, CKRUN_LEAD_S="60"), tmp_path,
@@ -204,7 +205,7 @@ def _log(tmp: Path, job_id: str) -> str:
 
 def test_completed_job_requeued_by_hand_exits_at_once(cluster, tmp_path, cancel_jobs) -> None:
     job = _sbatch(
-        ["--job-name=done", "--time=2", f"--output={tmp_path}/done-%j.out",
+        ["--job-name=done", "--time=2", "--signal=B:USR1@30", f"--output={tmp_path}/done-%j.out",
          str(REPO / "slurm" / "ckrun.sbatch"), PYTHON,
          *_child_args(tmp_path, "done", steps=8, step_s=0.05)],
         _env(tmp_path, CKRUN_LEAD_S="30"), tmp_path,
@@ -222,6 +223,29 @@ def test_completed_job_requeued_by_hand_exits_at_once(cluster, tmp_path, cancel_
     assert len(_starts(tmp_path, "done")) == 1, "the child started again"
     text = (tmp_path / f"done-{job}.out").read_text()
     assert "already complete" in text.lower() or "complete" in text.splitlines()[-1].lower(), text
+
+
+def test_template_lead_not_shorter_than_time_limit_is_refused(
+    cluster, tmp_path, cancel_jobs
+) -> None:
+    """``sbatch --time=2 ckrun.sbatch`` keeps the template's 120 s lead (``--signal=B:USR1@120``,
+    ``CKRUN_LEAD_S=120``): Slurm accepts it and would warn at once, so every attempt would
+    checkpoint and requeue as it starts.  ckrun refuses in the job: exit 3, never requeued,
+    the child never started, the message names both values and the fix."""
+    env = _env(tmp_path)
+    env.pop("CKRUN_LEAD_S", None)
+    job = _sbatch(
+        ["--job-name=short", "--time=2", f"--output={tmp_path}/short-%j.out",
+         str(REPO / "slurm" / "ckrun.sbatch"), PYTHON, *_child_args(tmp_path, "short")],
+        env, tmp_path,
+    )  # fmt: skip
+    cancel_jobs.append(job)
+    rec = wait_for(lambda: job_done(job), 60, "the job to be refused")
+    assert (rec["JobState"], rec["ExitCode"], rec["Restarts"]) == ("FAILED", "3:0", "0")
+    assert _starts(tmp_path, "short") == [], "the child started"
+    text = _read(tmp_path / f"short-{job}.out")
+    assert "lead_s=120" in text and "TimeLimit=00:02:00 (120 s)" in text, text
+    assert "--signal=B:USR1@LEAD" in text, text
 
 
 def test_array_task_requeues_only_itself(cluster, tmp_path, cancel_jobs) -> None:
@@ -254,7 +278,7 @@ def _read(path: Path) -> str:
 
 def test_scancel_is_not_undone(cluster, tmp_path, cancel_jobs) -> None:
     job = _sbatch(
-        ["--job-name=canc", "--time=5", f"--output={tmp_path}/canc-%j.out",
+        ["--job-name=canc", "--time=5", "--signal=B:USR1@30", f"--output={tmp_path}/canc-%j.out",
          str(REPO / "slurm" / "ckrun.sbatch"), PYTHON, *_child_args(tmp_path, "canc")],
         _env(tmp_path, CKRUN_LEAD_S="30"), tmp_path,
     )  # fmt: skip

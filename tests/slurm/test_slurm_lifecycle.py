@@ -28,7 +28,8 @@ def test_time_limit_signal_after_completion_leaves_the_job_completed(
         'while kill -USR1 $sup 2>/dev/null; do :; done" >/dev/null 2>&1 &'
     )
     job = _sbatch(
-        [f"--job-name={name}", "--time=2", f"--output={tmp_path}/{name}-%j.out",
+        [f"--job-name={name}", "--time=2", "--signal=B:USR1@30",
+         f"--output={tmp_path}/{name}-%j.out",
          str(REPO / "slurm" / "ckrun.sbatch"), "sh", "-c", f"{spam} exit 0"],
         _env(tmp_path, CKRUN_LEAD_S="30"), tmp_path,
     )  # fmt: skip

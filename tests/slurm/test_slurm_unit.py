@@ -22,6 +22,7 @@ from ckrun.scheduler.base import JobInfo, JobState, RequeueOutcome, Scheduler
 from ckrun.scheduler.slurm import Options, SlurmScheduler
 from ckrun.scheduler.slurm_jobs import (
     TimeLimitWatcher,
+    check_lead_time,
     map_state,
     parse_job_record,
     parse_slurm_time,
@@ -259,6 +260,55 @@ def test_lead_from_env_when_no_options(tmp_path: Path) -> None:
     assert SlurmScheduler(Options(lead_s=50), env=_env(tmp_path, CKRUN_LEAD_S="33")).lead_s == 50
     with pytest.raises(ConfigError, match="whole seconds"):
         SlurmScheduler(env=_env(tmp_path, CKRUN_LEAD_S="2m"))
+
+
+@pytest.mark.parametrize(
+    ("lead", "limit", "ok"),
+    [
+        (0, 60, True),
+        (59, 60, True),
+        (60, 60, False),
+        (120, 120, False),
+        (300, 120, False),
+        (-1, 60, False),
+    ],
+)
+def test_check_lead_time_rule(lead: int, limit: int, ok: bool) -> None:
+    # sbatch(1) --signal: the warning is due once the job is within the lead of its end,
+    # so a lead of the whole limit (or more) is due from the start: refused, naming both.
+    if ok:
+        check_lead_time(lead, limit, "time='1'", "FIX")
+        return
+    with pytest.raises(ConfigError) as ei:
+        check_lead_time(lead, limit, "time='1'", "FIX")
+    msg = str(ei.value)
+    assert f"lead_s={lead}" in msg and f"time='1' ({limit} s)" in msg and msg.endswith("FIX")
+
+
+def _job_with_limit(tmp_path: Path, limit: str, lead: str) -> dict[str, str]:
+    body = f'case "$1" in show) echo "JobId=5 JobState=RUNNING Restarts=0 TimeLimit={limit}";; esac'
+    env = _fake_scontrol(tmp_path, body)
+    return {**env, "SLURM_JOB_ID": "5", "CKRUN_LEAD_S": lead}
+
+
+def test_current_refuses_a_lead_not_shorter_than_the_time_limit(tmp_path: Path) -> None:
+    # sbatch --time=2 slurm/ckrun.sbatch with its 120 s lead: Slurm would send USR1 at once
+    with pytest.raises(ConfigError) as ei:
+        SlurmScheduler(env=_job_with_limit(tmp_path, "00:02:00", "120")).current()
+    msg = str(ei.value)
+    assert "lead_s=120" in msg and "TimeLimit=00:02:00 (120 s)" in msg
+    assert "--signal=B:USR1@LEAD" in msg and "CKRUN_LEAD_S=LEAD" in msg
+    assert ei.value.exit_code == ExitCode.CONFIG_INVALID
+
+
+@pytest.mark.parametrize(("limit", "lead"), [("00:02:00", "30"), ("UNLIMITED", "120"),
+                                             ("1-00:00:00", "86399")])  # fmt: skip
+def test_current_accepts_a_lead_shorter_than_the_time_limit(
+    tmp_path: Path, limit: str, lead: str
+) -> None:
+    job = SlurmScheduler(env=_job_with_limit(tmp_path, limit, lead)).current()
+    assert job is not None and job.job_id == "5" and job.detail["lead_s"] == int(lead)
+    assert "show job -o 5" in (tmp_path / "calls").read_text().splitlines()
 
 
 @pytest.mark.parametrize(

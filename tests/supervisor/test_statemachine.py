@@ -147,6 +147,13 @@ TABLE = [
         ["Log:child_exit", "Log:failed", "Exit:5"],
     ),
     (
+        "child exits 5 finding every checkpoint damaged: stop, a restart cannot help",
+        running(),
+        sm.ChildExited(5, 10, reason="checkpoints_unusable", detail="step 1 is unusable"),
+        Phase.FAILED,
+        ["Log:child_exit", "Log:failed", "Exit:5"],
+    ),
+    (
         "child exits 75 on its own",
         running(),
         sm.ChildExited(75, 11, False, 5.0),
