@@ -19,9 +19,9 @@ pre-hook on each optimizer of the state copies what is left before ``step()`` wr
 
 Errors of the worker surface on ``handle.result()``, else on the next save, ``wait()`` or
 ``close()`` (each failure is raised once).  At interpreter exit the in-flight save is
-finished before ``concurrent.futures`` shuts down (see :func:`_at_exit`); an unobserved
-failure is then printed.  ``os._exit`` or a signal that kills the process skips this: the
-previous checkpoint stays the newest.
+finished before ``concurrent.futures`` shuts down (:mod:`ckrun.checkpoint.async_exit`);
+an unobserved failure is then printed.  ``os._exit`` or a signal that kills the process
+skips this: the previous checkpoint stays the newest.
 
 The worker lowers its priority at the start of every persist
 (:func:`ckrun.storage.priority.lower`): ``SCHED_IDLE`` (``CKRUN_PERSIST_SCHED=idle``,
@@ -46,20 +46,18 @@ the in-flight save failed, the error is logged and the current state is saved.
 
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
 import logging
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ckrun.checkpoint import pipeline
+from ckrun.checkpoint.async_exit import register_exit_drain
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.lazy_snapshot import LazySnapshot
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
@@ -144,7 +142,7 @@ class AsyncSaver:
         self.last_durable_s: float | None = None  # async_save call -> commit
         self.last_persist_s: float | None = None  # worker start -> commit
         self._closed = False
-        _at_exit(weakref.ref(self))
+        register_exit_drain(weakref.ref(self))
 
     # -- the save -------------------------------------------------------------------
 
@@ -349,61 +347,9 @@ class AsyncSaver:
 
 def _no_notice() -> bool:
     """No preemption notice is pending (a save under a notice stays eager)."""
-    from ckrun.control import read_notice
-
-    return read_notice() is None
-
-
-def _at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
-    """Drain at interpreter exit, before ``concurrent.futures`` refuses new work.
-
-    ``threading._register_atexit`` callbacks run (last registered first) before
-    non-daemon threads are joined and before ``concurrent.futures`` shuts its executors
-    down, which the persist still needs (the O_DIRECT writer submits to a pool); plain
-    ``atexit`` runs too late for that and is only the fallback.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    if callable(register):
-        register(_drain_at_exit, ref)
-    else:
-        atexit.register(_drain_at_exit, ref)
-
-
-def _drain_at_exit(ref: weakref.ReferenceType[AsyncSaver]) -> None:
-    """atexit: finish the in-flight save; an error can no longer be raised: print it.
-
-    With a notice pending the wait is bounded by its deadline: past it the save is
-    abandoned (logged), and the supervisor's KILL may end the process while it runs (the
-    previous checkpoint stays the newest).
-    """
-    saver = ref()
-    if saver is None:
-        return
     from ckrun.control_files import read_notice
 
-    h = saver.inflight()
-    notice = read_notice() if h is not None else None
-    if h is not None and notice is not None:
-        priority.raise_waited()
-        left = max(0.0, notice.seconds_left())
-        try:
-            h._future.exception(timeout=left)
-        except FutureTimeout:
-            log.error(
-                "ckrun: the background save of step %d did not finish before the notice "
-                "deadline; exiting without it (the previous checkpoint stands)",
-                h.step,
-            )
-            return
-    try:
-        saver.close()
-    except BaseException as e:
-        log.error("ckrun: the background checkpoint save failed at exit: %s", e)
-        print(
-            f"ckrun: the background checkpoint save failed at exit: {e}",
-            file=sys.stderr,
-            flush=True,
-        )
+    return read_notice() is None
 
 
 _warned: list[bool] = []

@@ -6,7 +6,10 @@ manifest, written last) → retain: :mod:`ckrun.checkpoint.pipeline`, in the bac
 for ``async_save`` (:mod:`ckrun.checkpoint.async_save`).  Load = discover manifests
 newest first → compat gate → read and verify the shard (size, CRC32C) → restore in
 place; a corrupt checkpoint is reported and the next older one is tried.  See
-DESIGN.md §3.
+DESIGN.md §3.  This module holds construction, compat, load and close; the save methods
+are in :mod:`ckrun.checkpoint.facade_save`, ``async_save`` and the checkpoint interval
+in :mod:`ckrun.checkpoint.facade_async`, the log events in
+:mod:`ckrun.checkpoint.reporting`.
 
 Environment read by :meth:`Checkpointer.from_env`: ``CKRUN_STORAGE``, ``CKRUN_RUN``,
 ``CKRUN_ATTEMPT``, ``CKRUN_CONFIG_HASH`` (compat field ``launch_hash``),
@@ -29,20 +32,18 @@ supervisor (no ``CKRUN_LEASE_EPOCH``) the Checkpointer runs unfenced.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 from ckrun.checkpoint import collective as distributed
-from ckrun.checkpoint import layout, pipeline, resume
+from ckrun.checkpoint import pipeline, resume
 from ckrun.checkpoint import signature as sig
 from ckrun.checkpoint.compat import git_state, normalize
-from ckrun.checkpoint.discovery import committed_final, completion
 from ckrun.checkpoint.env import (
     checkpointer_arguments,
     env_int,
@@ -50,22 +51,23 @@ from ckrun.checkpoint.env import (
     open_storage_from_env,
     refuse_conflict,
 )
+from ckrun.checkpoint.facade_async import AsyncMethods
+from ckrun.checkpoint.facade_save import SaveMethods
 from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
-from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
-from ckrun.checkpoint.marker import CompletionMarker
+from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle
-from ckrun.checkpoint.sharding import Planned
+from ckrun.checkpoint.reporting import created_at, report_training_start, run_name_of
 from ckrun.checkpoint.state import state_compat
 from ckrun.errors import (
     ConfigError,
 )
-from ckrun.storage.base import ObjectWriter, Storage
+from ckrun.storage.base import Storage
 from ckrun.version import __version__
 
 if TYPE_CHECKING:
     from ckrun.checkpoint.async_save import AsyncSaver
-    from ckrun.checkpoint.interval import AutoInterval, IntervalEstimate
+    from ckrun.checkpoint.interval import AutoInterval
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
@@ -84,7 +86,7 @@ class _Context(Generic[T]):
         return cast(T, getattr(obj._ctx, self.name))
 
 
-class Checkpointer:
+class Checkpointer(SaveMethods, AsyncMethods):
     """Verified checkpoints of one run (see the module docstring).
 
     Args:
@@ -154,7 +156,7 @@ class Checkpointer:
         st: Storage = open_storage_from_env(storage) if isinstance(storage, str) else storage
         refuse_conflict("run", run, "CKRUN_RUN")
         refuse_conflict("attempt", attempt, "CKRUN_ATTEMPT")
-        run = run or os.environ.get("CKRUN_RUN") or _basename(st.url)
+        run = run or os.environ.get("CKRUN_RUN") or run_name_of(st.url)
         attempt = attempt if attempt is not None else env_int("CKRUN_ATTEMPT", 0)
         rank, world_size = distributed.dist_info()
         fence = Fence.from_env(st)
@@ -169,7 +171,7 @@ class Checkpointer:
             milestone_every=milestone_every,
             rng=rng,
             lock=(
-                WriterLock(st, run=run, attempt=attempt, owner=_created_at())
+                WriterLock(st, run=run, attempt=attempt, owner=created_at())
                 if lock and rank == 0 and not fence.fenced
                 else None
             ),
@@ -309,7 +311,7 @@ class Checkpointer:
 
             load_dcp(state, from_dcp)
             log.info("no checkpoint in %s: state seeded from DCP %s", self.storage.url, from_dcp)
-        _report_training_start(m, time.monotonic() - t0, self.rank)
+        report_training_start(m, time.monotonic() - t0, self.rank)
         return m
 
     def latest(self) -> Manifest | None:
@@ -324,208 +326,6 @@ class Checkpointer:
             policy=self.policy,
             only_current=not self._state_compat,  # no state seen: a partial block
         )
-
-    # -- save -----------------------------------------------------------------------
-
-    def snapshot(self, state: Mapping[str, Any], *, copy: bool = False) -> Planned:
-        """Step 1 of a save: the state (and RNG) flattened and cut into this rank's shard
-        entries (a collective with more than one rank, :mod:`ckrun.checkpoint.sharding`).
-
-        Args:
-            copy: clone tensors to host now (for a persist that overlaps training).
-        """
-        return pipeline.snapshot(self._ctx, state, copy=copy)
-
-    def save(
-        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
-    ) -> Manifest:
-        """Save ``state`` as ``step``; returns once the manifest is durable.
-
-        Raises:
-            RunComplete: the run has a completion marker.
-            StorageFull: the device is full (path and bytes named); nothing partial is
-                left under a final name and the previous checkpoint is intact.
-            StorageError: other storage failures (read-only, I/O).
-            CheckpointError: a value in ``state`` cannot be checkpointed.
-        """
-        t0 = time.monotonic()
-        m = self._save(step, state, pipeline.kind_for(self._ctx, step), metrics)
-        _report_save(m, time.monotonic() - t0, "sync", self.rank)
-        from ckrun.control import record_notice_save
-
-        record_notice_save(m.step)  # after a notice: an exit now is a preemption
-        return m
-
-    def finalize(
-        self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None
-    ) -> Manifest:
-        """Write the final artifact (``final/``) and then ``COMPLETE.json``; idempotent.
-
-        Finalizing a step again returns its final manifest: when the marker already names
-        ``step``, nothing is written; when the final artifact of ``step`` is committed
-        but the marker is missing (the process ended between the two), the marker is
-        written from that artifact and the state is not saved again.  So a run resumed
-        from its own final artifact completes instead of colliding with it
-        (``StepAlreadyCommitted``).
-
-        Raises:
-            RunComplete: finalized at another step.  Storage errors as :meth:`save`.
-        """
-        marker, _ = completion(self.storage)
-        if marker is not None and marker.final_step == step:
-            self._ctx.complete = True
-            return Manifest.loads(self.storage.get(marker.manifest_key), key=marker.manifest_key)
-        existing = committed_final(self.storage, step) if marker is None else None
-        reuse, _ = self.group.all_ok(existing is not None)  # every rank decides alike
-        if reuse and existing is not None:
-            if self._async is not None:
-                self._async.drain()
-            log.info("final artifact of step %d is already committed: writing its marker", step)
-            m = existing
-        else:
-            t0 = time.monotonic()
-            m = self._save(step, state, ManifestKind.FINAL, metrics)
-            _report_save(m, time.monotonic() - t0, "sync", self.rank)
-        if self.rank == 0:
-            self._ctx.check_fence(f"completion marker of step {step}")
-            marker_m = CompletionMarker.for_manifest(m)  # the epoch of this writer
-            marker_m = dataclasses.replace(marker_m, lease_epoch=self._ctx.lease_epoch)
-            self.storage.put(layout.COMPLETE, marker_m.dumps())
-        self._ctx.complete = True
-        return m
-
-    def _save(
-        self, step: int, state: Mapping[str, Any], kind: str, metrics: Mapping[str, Any] | None
-    ) -> Manifest:
-        started, created = time.monotonic(), utc_now()
-        pipeline.check_step(step)
-        pipeline.begin(self._ctx)
-        if self._async is not None:  # an async save in flight first (deadline-aware)
-            early = self._async.before_sync_save(step, kind)
-            if early is not None:
-                return early
-        last = pipeline.already_committed(self._ctx, step, kind)
-        if last is not None:
-            return last
-        compat = self.compat_block(state)
-        snap = self.snapshot(state)
-        m = self.persist(
-            step,
-            snap,
-            kind=kind,
-            compat=compat,
-            metrics=metrics,
-            created_utc=created,
-            started=started,
-        )
-        pipeline.retain_later(self._ctx, m)  # after the commit, off the save's return
-        return m
-
-    def persist(
-        self,
-        step: int,
-        snap: Planned,
-        *,
-        kind: str,
-        compat: dict[str, Any],
-        metrics: Mapping[str, Any] | None,
-        created_utc: str,
-        started: float,
-        open_shard: Callable[[str], ObjectWriter] | None = None,
-    ) -> Manifest:
-        """Steps 2-4 of a save: write the shard, check its size, commit the manifest
-        (:func:`ckrun.checkpoint.pipeline.persist`)."""
-        return pipeline.persist(
-            self._ctx,
-            step,
-            snap,
-            kind=kind,
-            compat=compat,
-            metrics=metrics,
-            created_utc=created_utc,
-            started=started,
-            open_shard=open_shard,
-        )
-
-    # -- async saves and the checkpoint interval --------------------------------------
-
-    def async_save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        *,
-        metrics: Mapping[str, Any] | None = None,
-        lazy: bool | None = None,
-    ) -> SaveHandle:
-        """Snapshot ``state`` into reused host buffers; persist and commit in the background.
-
-        Returns once the snapshot is copied (training may change ``state`` right away);
-        ``handle.result()`` returns the manifest once the commit is durable.  At most one
-        save is in flight: a second ``async_save`` or ``save`` first waits for it.  With
-        more than one rank this saves synchronously (the distributed commit is a
-        collective).  See :mod:`ckrun.checkpoint.async_save`.  ``lazy=True`` (default:
-        the Checkpointer's ``lazy_snapshot``) returns before parameters and optimizer
-        state are copied: they are copied during the next step, before the optimizer
-        writes them (:mod:`ckrun.checkpoint.lazy_snapshot`).
-
-        Raises:
-            The previous background save's error (once); otherwise as :meth:`save` for
-            the snapshot.  Persist errors surface on the handle, the next save,
-            :meth:`wait` or :meth:`close`.
-        """
-        from ckrun.checkpoint import async_save as aio
-
-        if self.world_size > 1:
-            aio.warn_sync_fallback(self.world_size)
-            return SaveHandle.completed(self.save(step, state, metrics=metrics))
-        if self._async is None:
-            self._async = aio.AsyncSaver(self._ctx, self.compat_block)
-        t0 = time.monotonic()
-        lazy = self.lazy_snapshot if lazy is None else lazy
-        h = self._async.save(step, state, metrics, lazy=lazy)
-        if self.rank == 0:
-            from ckrun.runlog import child_event
-
-            child_event("save", step=step, seconds=time.monotonic() - t0, mode="async")
-        return h
-
-    def wait(self) -> Manifest | None:
-        """Wait for the in-flight ``async_save``; its manifest, or None when none.
-
-        Raises:
-            The background save's error, unless already raised or seen on its handle.
-        """
-        return None if self._async is None else self._async.drain()
-
-    def should_save(self, step: int, *, sync: bool = False) -> bool:
-        """Whether to save after ``step`` under ``checkpoint_every``.
-
-        An int N: ``step`` is a positive multiple of N.  ``"auto"``: the Young/Daly
-        interval (:mod:`ckrun.checkpoint.interval`) of compute has passed since the last
-        True.  ``sync=True`` makes every rank agree (all-reduce MAX, one collective).
-
-        Raises:
-            ConfigError: the Checkpointer has no ``checkpoint_every``.
-        """
-        from ckrun.checkpoint import interval
-
-        if self._auto is None and self._every == "auto":
-            self._auto = self._auto_interval()
-        return interval.should_save(self._every, self._auto, step, sync=sync)
-
-    def interval(self) -> IntervalEstimate | None:
-        """The interval ``"auto"`` picks now (None without ``checkpoint_every="auto"``)."""
-
-        if self._every != "auto":
-            return None
-        if self._auto is None:
-            self._auto = self._auto_interval()
-        return self._auto.current()
-
-    def _auto_interval(self) -> AutoInterval:
-        from ckrun.checkpoint import interval
-
-        return interval.auto_for(self._ctx, lambda: self._async, mtbi_s=self._mtbi_s)
 
     def close(self) -> None:
         """Drain an in-flight async save (raising its error) and a background retention
@@ -546,37 +346,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _report_training_start(m: Manifest | None, seconds: float, rank: int) -> None:
-    """Tell the run's log and the supervisor that training starts (``restore`` event,
-    :func:`ckrun.control.mark_training`); a no-op outside the supervisor."""
-    from ckrun.control import mark_training
-    from ckrun.runlog import child_event
-
-    if rank == 0:
-        child_event("restore", step=m.step if m is not None else None, seconds=seconds)
-    mark_training("restore")
-
-
-def _report_save(m: Manifest, seconds: float, mode: str, rank: int) -> None:
-    """The ``save`` event: the training loop was blocked ``seconds`` for step ``m.step``."""
-    if rank == 0:
-        from ckrun.runlog import child_event
-
-        child_event("save", step=m.step, seconds=seconds, mode=mode, ckpt_kind=m.kind)
-
-
-def _created_at() -> str:
-    """``the Checkpointer created at FILE:LINE`` of the user's frame that built it."""
-    import traceback
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    for fr in reversed(traceback.extract_stack()[:-1]):
-        if not os.path.abspath(fr.filename).startswith(here):
-            return f"the Checkpointer created at {fr.filename}:{fr.lineno}"
-    return "another Checkpointer"
-
-
-def _basename(url: str) -> str:
-    return url.rstrip("/").rsplit("/", 1)[-1] or "run"

@@ -44,11 +44,8 @@ the same world size, rank 0's otherwise.
 
 from __future__ import annotations
 
-import atexit
-import datetime as dt
 import hashlib
 import logging
-import os
 import random
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
@@ -60,10 +57,30 @@ from ckrun.checkpoint import layout, sharding
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
+from ckrun.checkpoint.process_group import TIMEOUT_ENV, Group, dist_info
 from ckrun.checkpoint.state import restore
 from ckrun.checkpoint.verify import head_problems
-from ckrun.errors import CheckpointError, ConfigError, LeaseLost
+from ckrun.errors import CheckpointError, LeaseLost
 from ckrun.storage.base import Storage
+
+__all__ = [
+    "POLICY",
+    "RANK_LOCAL_POLICY",
+    "RESHARDING_POLICIES",
+    "TIMEOUT_ENV",
+    "Group",
+    "MakeManifest",
+    "RankWriter",
+    "allowed_changes",
+    "compat_fields",
+    "dist_info",
+    "persist",
+    "rederive_sampler",
+    "reseed",
+    "reshards",
+    "restore_resharded",
+    "source_rank",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,30 +94,7 @@ RANK_LOCAL_POLICY = {
     "data": "rederive:global_samples=position*world_size",
     "rng": "reseed:sha256(seed:step:rank)",
 }
-#: Seconds a collective of the checkpoint group waits for a rank (default 30 min); the
-#: supervisor's grace deadline normally ends a hung save much earlier.
-TIMEOUT_ENV = "CKRUN_COLLECTIVE_TIMEOUT_S"
 _SAMPLER_KEYS = frozenset({"epoch", "position", "seed", "n", "shuffle", "num_replicas", "rank"})
-
-
-def dist_info() -> tuple[int, int]:
-    """``(rank, world_size)``: from ``torch.distributed`` when initialised, else from the
-    ``RANK`` / ``WORLD_SIZE`` environment (torchrun sets both), else ``(0, 1)``.
-
-    Raises:
-        ConfigError: ``RANK``/``WORLD_SIZE`` malformed or inconsistent.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    try:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError as e:
-        raise ConfigError(f"RANK/WORLD_SIZE must be integers: {e}") from e
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}; check the launcher")
-    return rank, world
 
 
 def compat_fields(world_size: int) -> dict[str, Any]:
@@ -123,100 +117,6 @@ def allowed_changes(m: Manifest, world_size: int) -> tuple[str, ...]:
     if m.world_size != world_size and reshards(m):
         return ("world_size", "sharding")
     return ()
-
-
-class Group:
-    """The checkpoint's own gloo process group (CPU objects; a single process: no-op).
-
-    Created here when ``torch.distributed`` is already initialised (the Checkpointer is
-    built at the same point of the program on every rank, in the main thread), else by
-    the first collective (``load``/``save`` are collectives).  A group of its own keeps
-    the checkpoint's gathers apart from the training's collectives, so a save persisted
-    by a background thread (``async_save``) cannot interleave with DDP's all-reduces.
-
-    Raises:
-        ConfigError: ``world_size > 1`` but ``torch.distributed`` is not initialised.
-    """
-
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-        self._pg: Any = None
-        import torch.distributed as dist
-
-        if world_size > 1 and dist.is_available() and dist.is_initialized():
-            self._group()
-
-    def _group(self) -> Any:
-        import torch.distributed as dist
-
-        if self._pg is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ConfigError(
-                    f"rank {self.rank} of {self.world_size}: torch.distributed is not "
-                    "initialised; call torch.distributed.init_process_group() before the "
-                    "Checkpointer's load/save"
-                )
-            secs = float(os.environ.get(TIMEOUT_ENV, "1800"))
-            self._pg = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=secs))
-            atexit.register(_destroy_at_exit, self._pg)
-        return self._pg
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-        if self.world_size == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self._group())
-        return out
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank, on every rank."""
-        if self.world_size == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group())
-        return out
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if self.world_size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._group())
-        return box[0]
-
-    def all_ok(self, ok: bool, why: str = "") -> tuple[bool, list[str]]:
-        """(True when every rank is ok, the reasons of the ranks that are not)."""
-        if self.world_size == 1:
-            return ok, [] if ok else [why]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, (ok, why), group=self._group())
-        return all(o[0] for o in out), [f"rank {r}: {o[1]}" for r, o in enumerate(out) if not o[0]]
-
-
-def _destroy_at_exit(pg: Any) -> None:
-    """Destroy the checkpoint's gloo group while the interpreter is still alive.
-
-    A gloo group left to interpreter finalization can abort the process ("terminate
-    called without an active exception", exit -6): its worker threads still hold work
-    objects whose tensors need the GIL when the C++ objects are torn down (see
-    pytorch/pytorch#179291).  Destroying a gloo group is local (no collective).
-    """
-    import torch.distributed as dist
-
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group(pg)
-    except Exception as e:  # the process is ending: report, never raise from atexit
-        log.debug("destroying the checkpoint group at exit failed: %s", e)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ The hook never cuts the process short (no ``os._exit``): it raises ``SystemExit(
 which CPython turns into a normal interpreter exit with that status when it comes out of
 ``sys.excepthook`` (``Python/pythonrun.c``: ``handle_system_exit`` after the hook).
 The normal shutdown then drains ckrun's work before the process ends: the in-flight
-``async_save`` is committed (:func:`ckrun.checkpoint.async_save._drain_at_exit`) and the
+``async_save`` is committed (:func:`ckrun.checkpoint.async_exit.finish_at_exit`) and the
 queued uploads of a tiered storage are finished (``TieredStorage._drain_at_exit``), each
 bounded by the deadline of a pending notice (past it the supervisor's KILL ends the
 process; the commit protocol leaves the previous checkpoint intact).

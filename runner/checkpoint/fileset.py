@@ -276,17 +276,10 @@ def commit_files(
 def retain(storage: Storage, m: Manifest, *, keep_last: int, protect: int | None) -> None:
     """Retention after committing ``m`` (failures are logged: the commit stands)."""
     try:
-        sc = scan(storage)
-        broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
-        plan = retention.plan(
-            storage,
-            sc.manifests,
-            keep_last=keep_last,
-            milestone_every=None,
-            protect={m.step} | ({protect} if protect is not None else set()),
-            broken_steps=broken,
+        protected = () if protect is None else (protect,)
+        retention.retain_after(
+            storage, m, keep_last=keep_last, milestone_every=None, protect=protected
         )
-        retention.apply(storage, plan)
     except StorageError as e:
         log.warning("retention after step %d failed (will retry): %s", m.step, e)
 

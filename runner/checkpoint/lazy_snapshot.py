@@ -55,11 +55,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from ckrun.checkpoint.optim_tensors import optimizers_in, owned_storages, storage_key
 from ckrun.checkpoint.sharding import Planned
 from ckrun.errors import CheckpointError
 from ckrun.storage.base import ObjectInfo, ObjectWriter
@@ -69,42 +70,6 @@ __all__ = ["LazySnapshot", "optimizers_in"]
 log = logging.getLogger(__name__)
 
 PENDING, CLAIMED, DONE = 0, 1, 2
-
-
-def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
-    """The optimizers of ``state`` (top level and nested mappings/lists), each once."""
-    out: dict[int, torch.optim.Optimizer] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.optim.Optimizer):
-            out.setdefault(id(v), v)
-        elif isinstance(v, Mapping):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-
-    walk(state)
-    return list(out.values())
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    """(device, storage address) of ``t``, None for an empty storage."""
-    ptr = int(t.untyped_storage().data_ptr())
-    return None if ptr == 0 else (str(t.device), ptr)
-
-
-def _owned_storages(opt: torch.optim.Optimizer) -> Iterator[tuple[str, int]]:
-    """Storages ``opt.step()`` may write: its parameters and its state tensors."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if isinstance(p, torch.Tensor) and (k := _storage_key(p)) is not None:
-                yield k
-    for st in opt.state.values():
-        for v in st.values() if isinstance(st, Mapping) else ():
-            if isinstance(v, torch.Tensor) and (k := _storage_key(v)) is not None:
-                yield k
 
 
 @dataclass
@@ -162,7 +127,7 @@ class LazySnapshot:
         self._handles: list[Any] = [None] * len(self._optimizers)
         owners: dict[tuple[str, int], list[int]] = {}
         for i, opt in enumerate(self._optimizers):
-            for k in _owned_storages(opt):
+            for k in owned_storages(opt):
                 if i not in owners.setdefault(k, []):
                     owners[k].append(i)
         self._side: dict[torch.device, Any] = {}
@@ -173,7 +138,7 @@ class LazySnapshot:
                 self._side_stream(t.device)
         eager: list[tuple[Any, Any]] = []
         for i, (name, t, d) in enumerate(zip(snap.names, snap.tensors, dests, strict=True)):
-            key = _storage_key(t) if isinstance(t, torch.Tensor) else None
+            key = storage_key(t) if isinstance(t, torch.Tensor) else None
             own = tuple(owners.get(key, ())) if key is not None else ()
             if not own or name.startswith("rng.") or not isinstance(d, torch.Tensor):
                 eager.append((t, d))

@@ -30,7 +30,7 @@ from ckrun.checkpoint import collective, layout, retention, sharding
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.commit import commit_manifest
 from ckrun.checkpoint.compat import normalize
-from ckrun.checkpoint.discovery import completion, scan
+from ckrun.checkpoint.discovery import completion
 from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
@@ -361,21 +361,16 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
         log.error("retention after step %d skipped: the lease moved on", m.step)
         return  # the next collective commit refuses on every rank
     try:
-        sc = scan(ctx.storage)
-        broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
-        protect = {m.step} | ({ctx.resumed_from} if ctx.resumed_from is not None else set())
-        plan = retention.plan(
+        plan = retention.retain_after(
             ctx.storage,
-            sc.manifests,
+            m,
             keep_last=ctx.keep_last,
             milestone_every=ctx.milestone_every,
-            protect=protect,
-            broken_steps=broken,
+            protect=() if ctx.resumed_from is None else (ctx.resumed_from,),
             # a stale owner never collects a newer attempt's in-flight shard; unfenced
             # runs (no supervisor) have no stale owners and no monotonic attempts
             attempt=ctx.attempt if ctx.lease_epoch is not None else None,
         )
-        retention.apply(ctx.storage, plan)
         ctx.verified -= set(plan.manifests)
     except StorageError as e:
         log.warning("retention after step %d failed (will retry): %s", m.step, e)

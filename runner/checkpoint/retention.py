@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckrun.checkpoint import layout
+from ckrun.checkpoint.discovery import scan
 from ckrun.checkpoint.manifest import Manifest, ManifestKind
 from ckrun.storage.base import Storage
 
@@ -137,3 +138,38 @@ def apply(storage: Storage, p: Plan) -> None:
         log.info(
             "retention removed %d checkpoints and %d shard files", len(p.manifests), len(p.shards)
         )
+
+
+def retain_after(
+    storage: Storage,
+    m: Manifest,
+    *,
+    keep_last: int,
+    milestone_every: int | None,
+    protect: Iterable[int],
+    attempt: int | None = None,
+) -> Plan:
+    """One retention pass after committing ``m``: :func:`plan` over what
+    :func:`ckrun.checkpoint.discovery.scan` finds (steps with an invalid manifest left
+    alone), never deleting ``m`` nor a step in ``protect``, then :func:`apply`.
+
+    Returns:
+        The plan applied.
+
+    Raises:
+        StorageError: listing or deleting failed (callers log it: the commit stands and
+            the next pass retries).
+    """
+    sc = scan(storage)
+    broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
+    chosen = plan(
+        storage,
+        sc.manifests,
+        keep_last=keep_last,
+        milestone_every=milestone_every,
+        protect={m.step, *protect},
+        broken_steps=broken,
+        attempt=attempt,
+    )
+    apply(storage, chosen)
+    return chosen

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -98,6 +98,19 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
     if STEP_DIGESTS and rng:
         out["ckrun_steps"] = dict(STEP_DIGESTS)
     return out
+
+
+def tensors_of(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a captured tree (:func:`capture`; mappings, lists and tuples
+    walked), in tree order."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for v in tree.values():
+            yield from tensors_of(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from tensors_of(v)
 
 
 def restore(state: MutableMapping[str, Any], tree: Mapping[str, Any], *, where: str) -> None:

@@ -39,19 +39,18 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
-import crc32c
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 
 from .. import control
-from ..errors import ConfigError, CorruptCheckpoint, ObjectExists, ObjectNotFound, StorageError
+from ..errors import ConfigError, ObjectExists, ObjectNotFound
 from ..storage.base import ObjectInfo, ObjectWriter, Storage
-from ..storage.progress import Progress
-from . import layout, retention
-from .discovery import scan
+from . import layout
+from .tiering_upload import CHUNK, copy_shard, retain_remote
 from .tiering_util import HookedWriter, UploadPolicy
 
+__all__ = ["CHUNK", "TieredStorage", "UploadPolicy", "open_from_env", "open_tiered"]
+
 log = logging.getLogger(__name__)
-CHUNK = 16 * 1024 * 1024
 
 
 class TieredStorage:
@@ -315,49 +314,13 @@ class TieredStorage:
 
     def _copy_shard(self, s: ShardInfo) -> int:
         """Upload one shard unless the remote tier has it; returns bytes sent."""
-        have = self.remote.head(s.key)
-        crc_of = getattr(self.remote, "crc32c", None)
-        if (
-            have is not None
-            and have.size_bytes == s.size_bytes
-            and callable(crc_of)
-            and f"crc32c:{crc_of(s.key):08x}" == s.checksum
-        ):
-            return 0
-        crc, n = 0, 0
-        bar = Progress(f"upload {s.key}", s.size_bytes)
-        with self.local.open_read(s.key) as src, self.remote.open_write(s.key) as w, bar:
-            while chunk := src.read(CHUNK):
-                crc = crc32c.crc32c(chunk, crc)
-                n += len(chunk)
-                w.write(chunk)
-                bar.update(len(chunk))
-            if n != s.size_bytes or f"crc32c:{crc:08x}" != s.checksum:
-                raise CorruptCheckpoint(
-                    f"local shard {s.key} changed since its commit ({n} bytes, "
-                    f"crc32c:{crc:08x}; manifest {s.size_bytes} bytes, {s.checksum}): not "
-                    "uploaded",
-                    key=s.key,
-                )
-        return n
+        return copy_shard(self.local, self.remote, s)
 
     def _retain_remote(self, m: Manifest) -> None:
         self.fence.check(f"remote retention after step {m.step}")
-        try:
-            sc = scan(self.remote)
-            broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
-            protect = {m.step} | ({m.resumed_from} if m.resumed_from is not None else set())
-            plan = retention.plan(
-                self.remote,
-                sc.manifests,
-                keep_last=self.keep_last,
-                milestone_every=self.milestone_every,
-                protect=protect,
-                broken_steps=broken,
-            )
-            retention.apply(self.remote, plan)
-        except StorageError as e:
-            log.warning("remote retention after step %d failed (retried next time): %s", m.step, e)
+        retain_remote(
+            self.remote, m, keep_last=self.keep_last, milestone_every=self.milestone_every
+        )
 
     def _event(self, kind: str, step: int | None, seconds: float | None, **fields: Any) -> None:
         if not self._events_path:

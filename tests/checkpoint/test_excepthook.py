@@ -38,7 +38,7 @@ def test_exit_drain_is_bounded_by_the_notice_deadline(
 
     import torch
     from ckrun import control
-    from ckrun.checkpoint import async_save
+    from ckrun.checkpoint import async_exit
     from ckrun.notices import Notice
     from ckrun.storage.local import LocalStorage
 
@@ -60,7 +60,7 @@ def test_exit_drain_is_bounded_by_the_notice_deadline(
     try:
         ck.async_save(1, {"w": torch.ones(8)})
         assert ck._async is not None
-        drain = threading.Thread(target=async_save._drain_at_exit, args=(weakref.ref(ck._async),))
+        drain = threading.Thread(target=async_exit.finish_at_exit, args=(weakref.ref(ck._async),))
         drain.start()
         drain.join(60)
         assert not drain.is_alive(), "the exit drain waited past the deadline"
