@@ -158,6 +158,20 @@ def _library_exit(s: State, ev: ChildExited) -> Result | None:
 
 def _exited_running(s: State, ev: ChildExited, progress: bool, log: Log) -> Result:
     p = s.policy
+    if s.interrupted is not None and ev.reason == "preempted":
+        # the library took the forwarded HUP/QUIT as a notice and committed: a hung-up
+        # terminal keeps the work and the run stays resumable, like Ctrl-C
+        name = signal.Signals(s.interrupted).name
+        s, acts = stop(
+            s,
+            Phase.CANCELLED,
+            128 + s.interrupted,
+            "cancelled",
+            f"child saved at step {ev.newest_step} and stopped after a forwarded {name}; "
+            "`ckrun submit` resumes",
+            step=ev.newest_step,
+        )
+        return s, [log, *acts]
     if s.interrupted is not None:
         name = signal.Signals(s.interrupted).name
         s, acts = stop(

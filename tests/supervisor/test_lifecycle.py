@@ -437,9 +437,12 @@ def test_a_hung_up_terminal_keeps_the_work_since_the_last_checkpoint(tmp_path: P
             out += os.read(fd, 4096)
     assert b"step 5\r\n" in out, out
     os.close(fd)  # the terminal hangs up: SIGHUP to its session leader, the supervisor
-    os.waitpid(pid, 0)
+    _, wstatus = os.waitpid(pid, 0)
     root = tmp_path / "runs" / "hup"
     assert "forward" in kinds(root)
+    # the work is kept, so the run stops resumable (CANCELLED, 128 + SIGHUP), not FAILED
+    assert os.waitstatus_to_exitcode(wstatus) == 128 + int(signal.SIGHUP), wstatus
+    assert "cancelled" in kinds(root) and "failed" not in kinds(root), kinds(root)
     ends = [e for e in events(root) if e["kind"] == "attempt_end"]
     assert ends and ends[-1]["commits"], events(root)  # a checkpoint made after the hangup
     again = ckrun(args, tmp_path)

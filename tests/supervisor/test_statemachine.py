@@ -455,3 +455,15 @@ def test_a_completion_marker_decides_even_when_a_late_notice_killed_the_exit() -
     # without the marker, the same exit is still a preemption
     s, _ = sm.step(draining(), sm.ChildExited(143, 40, False, 105.0))
     assert s.phase is Phase.PREEMPTED
+
+
+def test_a_forwarded_hangup_the_library_saved_on_stops_resumable() -> None:
+    """A hung-up terminal (SIGHUP forwarded) that the library turned into a save: the
+    work is kept, so the run stops CANCELLED (exit 128 + SIGHUP) and ``ckrun submit``
+    resumes it; a plain script killed by the same signal still fails (above)."""
+    s, _ = sm.step(running(), sm.Forward(int(signal.SIGHUP)))
+    s, acts = sm.step(s, sm.ChildExited(75, 14, False, 1.0, reason="preempted"))
+    assert s.phase is Phase.CANCELLED, s.phase
+    assert acts[-1] == sm.Exit(128 + int(signal.SIGHUP))
+    msgs = " ".join(a.message for a in acts if isinstance(a, sm.Log))
+    assert "SIGHUP" in msgs and "ckrun submit" in msgs and "14" in msgs
