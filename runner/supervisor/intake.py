@@ -3,7 +3,9 @@
 * Signals (:mod:`ckrun.supervisor.signals`): SIGTERM and the notice signal (default
   USR1) become notices (the notice signal inside a Slurm job warns of the time limit,
   not of a preemption), SIGINT (Ctrl-C) a save-and-stop :class:`Interrupt`, HUP/QUIT are
-  forwarded to the child's group, USR2 and CHLD only wake the loop.
+  forwarded to the child's group (the library takes them as a notice and saves: the run
+  then stops CANCELLED, resumable; a plain script dying of them fails), USR2 and CHLD
+  only wake the loop.
 * ``ckrun preempt`` / ``ckrun cancel`` requests from the run directory.
 * A peer notice (``peer-notice.json``: the child's ranks agreed to stop for a notice that
   reached another node of a multi-node job, :func:`ckrun.control.write_peer_notice`),
