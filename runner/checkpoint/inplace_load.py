@@ -41,6 +41,7 @@ from ckrun.checkpoint.pipeline import CommitContext
 from ckrun.checkpoint.reshard import target_for
 from ckrun.checkpoint.sharding import dtensor_type, tensor_paths
 from ckrun.checkpoint.state import capture, tensors_of
+from ckrun.checkpoint.verify import shard_present
 from ckrun.errors import CorruptCheckpoint, ObjectNotFound
 from ckrun.storage.base import Storage
 
@@ -209,15 +210,7 @@ def read_globals(
         out[name] = dest
         jobs += _jobs(m, keys, name, spec, dest, inplace, lay)
     for rank in sorted({r for r in keys if any(j.key == keys[r].key for j in jobs)}):
-        s = keys[rank]
-        info = storage.head(s.key)
-        if info is None or info.size_bytes != s.size_bytes:
-            got = "missing" if info is None else f"{info.size_bytes} bytes"
-            raise CorruptCheckpoint(
-                f"{s.key}: {got}, manifest says {s.size_bytes} bytes (truncated)",
-                key=s.key,
-                step=m.step,
-            )
+        shard_present(storage, keys[rank], m.step)
     jobs.sort(key=lambda j: (j.key, j.begin))
 
     def run(j: _Job) -> None:

@@ -21,7 +21,7 @@ from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.pipeline import CommitContext
 from ckrun.checkpoint.shard_reader import read_shard
 from ckrun.checkpoint.state import restore
-from ckrun.checkpoint.verify import verify_manifest
+from ckrun.checkpoint.verify import shard_present, verify_manifest
 from ckrun.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -106,14 +106,7 @@ def read(
     if m.tensor_layout is not None:  # format 2: ranged reads of what this rank needs
         return reshard.load_tree(ctx.storage, m, source_rank=src, want=want, bulk=bulk)
     s = next(s for s in m.shards if s.rank == src)
-    info = ctx.storage.head(s.key)
-    if info is None or info.size_bytes != s.size_bytes:
-        got = "missing" if info is None else f"{info.size_bytes} bytes"
-        raise CorruptCheckpoint(
-            f"{s.key}: {got}, manifest says {s.size_bytes} bytes (truncated)",
-            key=s.key,
-            step=m.step,
-        )
+    shard_present(ctx.storage, s, m.step)
     try:
         with ctx.storage.open_read(s.key) as f:
             _advise_sequential(f)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import crc32c
 from ckrun.checkpoint.manifest import Manifest, ShardInfo
-from ckrun.errors import CorruptObject, ObjectNotFound, StorageError
-from ckrun.storage.base import Storage
+from ckrun.errors import CorruptCheckpoint, CorruptObject, ObjectNotFound, StorageError
+from ckrun.storage.base import ObjectInfo, Storage
 
 CHUNK = 16 << 20
 
@@ -142,3 +142,20 @@ def verify_shards(storage: Storage, m: Manifest) -> list[ShardProblem]:
 def verify_manifest(storage: Storage, m: Manifest) -> list[str]:
     """:func:`verify_shards` as one line per problem."""
     return [p.message for p in verify_shards(storage, m)]
+
+
+def shard_present(storage: Storage, s: ShardInfo, step: int) -> ObjectInfo:
+    """The shard's object, with the size its manifest records.
+
+    Raises:
+        CorruptCheckpoint: the shard is missing or has another size (truncated).
+    """
+    info = storage.head(s.key)
+    if info is None or info.size_bytes != s.size_bytes:
+        got = "missing" if info is None else f"{info.size_bytes} bytes"
+        raise CorruptCheckpoint(
+            f"{s.key}: {got}, manifest says {s.size_bytes} bytes (truncated)",
+            key=s.key,
+            step=step,
+        )
+    return info
