@@ -52,13 +52,18 @@ def scan(storage: Storage) -> Scan:
             if p is None or not p.is_manifest:
                 continue
             try:
-                m = Manifest.loads(storage.get(info.key), key=info.key)
+                raw = storage.get(info.key)
+            except ObjectNotFound:  # listed, then deleted (retention beside this scan)
+                log.debug("checkpoint manifest %s was deleted while listing", info.key)
+                continue
+            try:
+                m = Manifest.loads(raw, key=info.key)
                 if m.step != p.step or m.area != p.area:
                     raise CorruptCheckpoint(
                         f"{info.key}: holds step {m.step} kind {m.kind}, not its own directory's",
                         key=info.key,
                     )
-            except (CorruptCheckpoint, ObjectNotFound) as e:
+            except CorruptCheckpoint as e:
                 log.warning("skipping checkpoint manifest %s: %s", info.key, e)
                 out.problems.append((info.key, str(e)))
                 continue

@@ -288,7 +288,8 @@ class LocalStorage:
     def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every regular file whose key starts with ``prefix``, sorted by key.
 
-        Temp files of in-flight or killed writes and symlinks are not objects.
+        Temp files of in-flight or killed writes and symlinks are not objects; an
+        object deleted while the listing runs (retention beside a save) is left out.
         """
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = self._path(base) if base else self.root
@@ -312,7 +313,10 @@ class LocalStorage:
                 if key.startswith(prefix) or prefix.startswith(key + "/"):
                     self._walk(ent.path, key, prefix, out)
             elif ent.is_file(follow_symlinks=False) and key.startswith(prefix):
-                st = ent.stat(follow_symlinks=False)
+                try:
+                    st = ent.stat(follow_symlinks=False)
+                except FileNotFoundError:  # deleted since the directory was read
+                    continue  # (retention runs beside saves): no longer an object
                 out.append(ObjectInfo(key, st.st_size, st.st_mtime))
 
     def delete(self, keys: Iterable[str]) -> None:

@@ -64,3 +64,24 @@ def test_discovery_does_not_import_torch(run_dir: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("1 ['launch_hash: <absent> → x']")
+
+
+def test_a_manifest_deleted_between_list_and_read_is_not_a_problem(run_dir: Path) -> None:
+    """Retention deletes an old step while a scan runs: a manifest listed and then gone
+    was deleted, not damaged; it must not count as an unreadable checkpoint (which, with
+    nothing else usable, would refuse the resume)."""
+    _save(run_dir, [1, 2])
+    st = ckrun.open_storage(str(run_dir))
+    gone = layout.manifest_key(1)
+
+    class RetentionBeside:
+        def __getattr__(self, name: str) -> object:
+            return getattr(st, name)
+
+        def get(self, key: str) -> bytes:
+            if key == gone:  # retention removed the step after the listing
+                st.delete([k.key for k in st.list(layout.step_prefix(1))])
+            return st.get(key)
+
+    sc = discovery.scan(RetentionBeside())  # type: ignore[arg-type]
+    assert [m.step for m in sc.manifests] == [2] and sc.problems == []

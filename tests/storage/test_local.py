@@ -152,3 +152,29 @@ def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
     st.delete(["a/b/c"])
     assert not (tmp_path / "r" / "a" / "b").exists()
     assert (tmp_path / "r" / "a" / "keep").exists()
+
+
+def test_list_skips_an_object_deleted_while_it_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention deletes old step directories on a background thread while a save,
+    finalize or load lists the run: an entry that vanishes between the directory read and
+    its stat is no longer an object, never a FileNotFoundError out of ``list`` (seen in a
+    spot end-to-end run: finalize died listing a step retention had just removed)."""
+    st = LocalStorage(str(tmp_path))
+    for step in (1, 2):
+        st.put(f"checkpoints/step-{step}/manifest.json", b"{}")
+        st.put(f"checkpoints/step-{step}/shard.bin", b"x" * 10)
+    real = os.scandir
+    doomed = tmp_path / "checkpoints" / "step-1"
+
+    def scandir_then_retention(d: str):  # type: ignore[no-untyped-def]
+        entries = list(real(d))  # what the walk read ...
+        if os.path.realpath(d) == os.path.realpath(doomed):
+            for p in doomed.iterdir():  # ... before retention removed the step
+                p.unlink()
+        return iter(entries)
+
+    monkeypatch.setattr(local_mod.os, "scandir", scandir_then_retention)
+    keys = [o.key for o in st.list("checkpoints/")]
+    assert keys == ["checkpoints/step-2/manifest.json", "checkpoints/step-2/shard.bin"]
