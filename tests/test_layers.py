@@ -124,7 +124,21 @@ def test_the_ckrun_package_keeps_its_layers() -> None:
 
 
 # "": the top level (errors, notices, control, control_files, runlog, ...)
-@pytest.mark.parametrize("room", ["", "storage", "checkpoint", "supervisor", "scheduler", "cli", "config", "cloud", "integrations", "report"])
+@pytest.mark.parametrize(
+    "room",
+    [
+        "",
+        "storage",
+        "checkpoint",
+        "supervisor",
+        "scheduler",
+        "cli",
+        "config",
+        "cloud",
+        "integrations",
+        "report",
+    ],
+)
 def test_modules_of_the_room_stay_under_400_lines(room: str) -> None:
     # issue 18: one concern per module, none over ~400 lines
     sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "runner" / room).glob("*.py")}
