@@ -43,7 +43,7 @@ from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 
 from .. import control
 from ..errors import ConfigError, ObjectExists, ObjectNotFound
-from ..storage.base import ObjectInfo, ObjectWriter, Storage
+from ..storage.base import ObjectInfo, ObjectWriter, RangeReader, ReadsInOrder, Storage
 from . import layout
 from .tiering_upload import CHUNK, copy_shard, retain_remote
 from .tiering_util import HookedWriter, UploadPolicy
@@ -165,6 +165,11 @@ class TieredStorage:
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
         tier = self.local if self.local.head(key) is not None else self.remote
         tier.read_into(key, offset, buf)
+
+    def open_ranges(self, key: str) -> RangeReader | None:
+        """The tier holding ``key``'s in-order reader, when that tier offers one."""
+        tier = self.local if self.local.head(key) is not None else self.remote
+        return tier.open_ranges(key) if isinstance(tier, ReadsInOrder) else None
 
     def head(self, key: str) -> ObjectInfo | None:
         return self.local.head(key) or self.remote.head(key)

@@ -25,6 +25,8 @@ protocol relies on:
   ``put_after`` that publishes the object naming it, before that name appears; a
   listing may show such an object partially written (a killed save), and only
   retention (orphaned shards) ever deletes it;
+* optional, :class:`ReadsInOrder` (local storage; issue 19): ranges of one object read
+  through one handle in file order, for readers of many pieces;
 * keys are relative POSIX paths (``a/b/c``); :func:`validate_key` rejects absolute keys,
   ``..``, empty components and backslashes, so a manifest cannot name a file outside the
   run.
@@ -225,6 +227,41 @@ class PublishesAfter(Protocol):
         Raises:
             TypeError: a writer in ``after`` is not an unreferenced writer of this
                 storage.  Otherwise as :meth:`Storage.put`.
+        """
+        ...
+
+
+class RangeReader(Protocol):
+    """Ranged reads of one object through one open handle (:class:`ReadsInOrder`)."""
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """As :meth:`Storage.read_into` on the object this reader was opened on."""
+        ...
+
+    def close(self) -> None:
+        """Release the handle (idempotent)."""
+        ...
+
+    def __enter__(self) -> RangeReader: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class ReadsInOrder(Protocol):
+    """Optional capability of a :class:`Storage`: many ranges of one object are read
+    fastest in file order through one handle (a local disk: one descriptor, kernel
+    readahead in sequential mode; measured in :mod:`ckrun.storage.local_read`) rather
+    than as independent ranged reads in flight together (S3: parallel ``Range`` GETs).
+    A reader of many pieces (the in-place load, issue 19) asks for this first.
+    """
+
+    def open_ranges(self, key: str) -> RangeReader | None:
+        """A reader over ``key``; None when this storage declines for this key (then
+        use :meth:`Storage.read_into`, several in flight).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
         """
         ...
 

@@ -30,16 +30,16 @@ Measurements: bench/README.md.
 from __future__ import annotations
 
 import builtins
-import errno
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import IO
 
-from ckrun.errors import ObjectNotFound, StorageError, map_os_error
+from ckrun.errors import map_os_error
 from ckrun.storage import probe
 from ckrun.storage.base import ObjectInfo, ObjectWriter
 from ckrun.storage.direct import ArenaWriter, DirectWriter
+from ckrun.storage.local_read import LocalRanges, pread_into, read_error
 from ckrun.storage.local_writer import (
     TEMP_PREFIX,
     WRITE_BEHIND_BYTES,
@@ -217,7 +217,7 @@ class LocalStorage:
         try:
             return read_versioned(self._path(key))
         except OSError as e:
-            raise _read_error(e, key, self.url) from e
+            raise read_error(e, key, self.url) from e
 
     def put_file(self, key: str, path: str) -> ObjectInfo:
         """Copy the local file ``path`` to ``key`` (atomic, durable)."""
@@ -234,7 +234,7 @@ class LocalStorage:
             with open(p, "rb") as f:
                 return f.read()
         except OSError as e:
-            raise _read_error(e, key, self.url) from e
+            raise read_error(e, key, self.url) from e
 
     def get_file(self, key: str, path: str) -> None:
         """Copy ``key`` to the local ``path``, replaced atomically."""
@@ -246,28 +246,28 @@ class LocalStorage:
         try:
             return open(self._path(key), "rb", buffering=0)
         except OSError as e:
-            raise _read_error(e, key, self.url) from e
+            raise read_error(e, key, self.url) from e
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` from ``offset`` of ``key`` with ``preadv`` (see ``Storage``)."""
+        """Fill ``buf`` from ``offset`` of ``key`` with ``preadv`` (see ``Storage``; no
+        readahead advice: a lone range is often not followed by the next one)."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
-            raise _read_error(e, key, self.url) from e
+            raise read_error(e, key, self.url) from e
         try:
-            done, n = 0, len(buf)
-            while done < n:
-                got = os.preadv(fd, [buf[done : done + (64 << 20)]], offset + done)
-                if not got:
-                    raise StorageError(
-                        f"{self.url}/{key}: ends before byte {offset + n} "
-                        f"(read {offset + done}); the object is truncated"
-                    )
-                done += got
-        except OSError as e:
-            raise _read_error(e, key, self.url) from e
+            pread_into(fd, offset, buf, key, self.url)
         finally:
             os.close(fd)
+
+    def open_ranges(self, key: str) -> LocalRanges:
+        """One descriptor for ranged reads of ``key`` in file order, readahead told the
+        access is sequential (:class:`~ckrun.storage.base.ReadsInOrder`).
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+        """
+        return LocalRanges(self._path(key), key, self.url)
 
     def local_path(self, key: str) -> str | None:
         """The absolute path of ``key``."""
@@ -280,7 +280,7 @@ class LocalStorage:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise _read_error(e, key, self.url) from e
+            raise read_error(e, key, self.url) from e
         if not _is_regular(st.st_mode):
             return None
         return ObjectInfo(key, st.st_size, st.st_mtime)
@@ -304,7 +304,7 @@ class LocalStorage:
         except (FileNotFoundError, NotADirectoryError):
             return
         except OSError as e:
-            raise _read_error(e, rel or ".", self.url) from e
+            raise read_error(e, rel or ".", self.url) from e
         for ent in entries:
             key = f"{rel}/{ent.name}" if rel else ent.name
             if ent.name.startswith(TEMP_PREFIX) or ent.is_symlink():
@@ -385,9 +385,3 @@ def _fsync_dir_quiet(d: str) -> None:
         fsync_dir(d)
     except OSError:
         pass
-
-
-def _read_error(e: OSError, key: str, url: str) -> StorageError:
-    if e.errno in (errno.ENOENT, errno.ENOTDIR):
-        return ObjectNotFound(f"{key} does not exist in {url}")
-    return map_os_error(e, path=f"{url}/{key}")

@@ -397,3 +397,30 @@ def test_unreferenced_abort_and_fresh_keys(storage: Storage) -> None:
         st.put_after("unref2/m", b"m", [storage.open_write("unref2/d")])
     assert storage.head("unref2/m") is None
     pending.abort()
+
+
+def test_ranges_read_in_order_through_one_handle(storage: Storage) -> None:
+    """``open_ranges`` (issue 19, optional :class:`ReadsInOrder`): the exact bytes of
+    each range in file order; a range past the end, a missing object and a read after
+    close are errors, never a short buffer."""
+    from ckrun.errors import StorageError
+    from ckrun.storage.base import ReadsInOrder
+
+    if not isinstance(storage, ReadsInOrder):
+        pytest.skip(f"{storage!r} reads ranges independently (optional capability)")
+    data = os.urandom(3 << 20)
+    storage.put("rr/obj.bin", data)
+    reader = storage.open_ranges("rr/obj.bin")
+    assert reader is not None
+    with reader as r:
+        for lo, hi in [(0, 10), (10, 1 << 20), ((1 << 20) + 5, (3 << 20) - 1)]:
+            buf = bytearray(hi - lo)
+            r.read_into(lo, memoryview(buf))
+            assert bytes(buf) == data[lo:hi]
+        r.read_into(5, memoryview(bytearray(0)))  # empty range: nothing to read
+        with pytest.raises(StorageError, match="truncated"):
+            r.read_into(len(data) - 10, memoryview(bytearray(20)))
+    with pytest.raises(StorageError, match="after close"):
+        r.read_into(0, memoryview(bytearray(4)))
+    with pytest.raises(ObjectNotFound):
+        storage.open_ranges("rr/missing.bin")
