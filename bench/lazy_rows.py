@@ -14,10 +14,17 @@ step     : one real training step of the benchmark's own state (forward of a bat
            their mean; medians of at least :data:`ROUNDS` rounds.  Target: lazy step
            ≤ 1.1 × alone.  Also recorded: the share of the bytes the step's pre-hook
            had to copy itself (the copier had not reached them).
+floor    : what no lazy copy can beat on this machine: the step alone keeps
+           ``cores busy`` of the CPUs busy (process CPU time / wall time); the copy of
+           the lazily copied tensors takes ``CPU seconds`` (measured by repeating it);
+           the part of that CPU the step's idle core-seconds cannot absorb lands inside
+           the step, spread at best over every core:
+           floor = 1 + max(0, copy CPU - idle core-s) / (cores × step alone).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
@@ -26,7 +33,8 @@ import ckrun
 import torch
 
 BATCH = 48  # rows of the step's input batch (d_model wide)
-ROUNDS = 7  # step rows: at least this many rounds (a step is noisier than a copy)
+ROUNDS = 15  # step rows: at least this many rounds (one step varies by ±15 % here)
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def pause_pair(ck: ckrun.Checkpointer, state: dict[str, Any], step: int) -> tuple[float, float]:
@@ -52,14 +60,28 @@ def forward(model: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _train_step(state: dict[str, Any], x: torch.Tensor) -> float:
-    """Seconds of one forward/backward/AdamW step of the benchmark state."""
+def _train_step(state: dict[str, Any], x: torch.Tensor, cpu: list[float] | None = None) -> float:
+    """Seconds of one forward/backward/AdamW step of the benchmark state; appends the
+    process's CPU seconds (every thread) of the step to ``cpu`` when given."""
     model, opt = state["model"], state["optimizer"]
-    t = time.perf_counter()
+    c, t = time.process_time(), time.perf_counter()
     opt.zero_grad(set_to_none=True)
     forward(model, x).pow(2).mean().backward()
     opt.step()
-    return time.perf_counter() - t
+    wall = time.perf_counter() - t
+    if cpu is not None:
+        cpu.append(time.process_time() - c)
+    return wall
+
+
+def _copy_cpu(lz: Any) -> float:
+    """CPU seconds (every thread) of copying the lazily copied tensors once more into
+    their host buffers (after the persist: the buffers are free until the next save)."""
+    c = time.process_time()
+    with torch.no_grad():
+        for e in lz.entries:
+            e.dst.copy_(e.src)
+    return time.process_time() - c
 
 
 def steps(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> None:
@@ -75,7 +97,8 @@ def steps(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
     s: dict[str, list[float]] = {}
     for _ in range(max(ROUNDS, reps)):
         for mode in ("lazy", "eager"):
-            before = _train_step(state, x)
+            cpu: list[float] = []
+            before = _train_step(state, x, cpu)
             t = time.perf_counter()
             h = ck.async_save(next(n), state, lazy=mode == "lazy")
             pause = time.perf_counter() - t
@@ -87,8 +110,12 @@ def steps(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
                 s.setdefault("lazy: share copied in the step", []).append(
                     hook / max(1, sum(e.dst.nbytes for e in lz.entries))
                 )
-            after = _train_step(state, x)
+                s.setdefault("lazy copy CPU", []).append(_copy_cpu(lz))
+            after = _train_step(state, x, cpu)
             alone = (before + after) / 2
+            s.setdefault("idle core-seconds in a step alone", []).append(
+                CORES * alone - sum(cpu) / 2
+            )
             s.setdefault("train step alone", []).append(alone)
             s.setdefault(f"train step after {mode} async_save", []).append(during)
             s.setdefault(f"{mode} pause (step rows)", []).append(pause)
@@ -96,6 +123,10 @@ def steps(state: dict[str, Any], root: str, reps: int, r: dict[str, Any]) -> Non
     ck.close()
     r.update({k: statistics.median(v) for k, v in s.items()})
     r["step samples"] = s
+    # the best a lazy copy can do: its CPU fills the idle core-seconds of the step, the
+    # rest is spread over every core inside the step
+    idle, copy = r["idle core-seconds in a step alone"], r["lazy copy CPU"]
+    r["lazy step floor"] = 1 + max(0.0, copy - max(0.0, idle)) / (CORES * r["train step alone"])
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
@@ -139,6 +170,25 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             lambda r: statistics.median(r["step samples"]["eager step share"]),
             None,
         ),
+    )
+    out.append(
+        "| cores busy in a step alone (of "
+        + str(CORES)
+        + ") | "
+        + " | ".join(
+            f"{CORES - r['idle core-seconds in a step alone'] / r['train step alone']:.2f}"
+            for r in rows
+        )
+        + " |"
+    )
+    out.append(
+        "| CPU seconds of the lazy copy (every thread) | "
+        + " | ".join(f"{r['lazy copy CPU']:.4f} s" for r in rows)
+        + " |"
+    )
+    out.append(
+        "| floor of step after lazy / alone: the copy's CPU beyond the step's idle cores "
+        "| " + " | ".join(f"{r['lazy step floor']:.2f}" for r in rows) + " |"
     )
     out.append(
         "| lazy: share of the bytes copied inside the step (pre-hook) | "

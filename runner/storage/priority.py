@@ -36,6 +36,7 @@ __all__ = [
     "can_leave_idle",
     "lower",
     "policy_name",
+    "raise_thread",
     "raise_waited",
     "register_inherited",
     "registered",
@@ -121,19 +122,24 @@ def raise_waited() -> int:
     """
     if not hasattr(os, "SCHED_IDLE"):
         return 0
-    n = 0
     with _lock:
         _prune()
         tids = list(_lowered)
-    for tid in tids:
-        if _policy(tid) != os.SCHED_IDLE:
-            continue
-        try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            n += 1
-        except OSError as e:  # exited meanwhile, or not permitted
-            log.debug("could not raise persist thread %d (%s)", tid, e)
-    return n
+    return sum(raise_thread(tid) for tid in tids)
+
+
+def raise_thread(tid: int) -> bool:
+    """Move thread ``tid`` from ``SCHED_IDLE`` back to ``SCHED_OTHER`` (its ``nice``
+    kept): someone waits for it.  Returns whether it was raised (False: not idle,
+    exited, or not permitted)."""
+    if not hasattr(os, "SCHED_IDLE") or _policy(tid) != os.SCHED_IDLE:
+        return False
+    try:
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        return True
+    except OSError as e:  # exited meanwhile, or not permitted
+        log.debug("could not raise thread %d (%s)", tid, e)
+        return False
 
 
 def registered() -> set[int]:

@@ -300,3 +300,82 @@ def test_lazy_save_of_cuda_tensors_is_bitwise_a_sync_save(
         held_copier.set()
         h.result()
     assert shard_bytes(tmp_path / "run", K) == expected
+
+
+def _leaves_idle() -> None:
+    from ckrun.storage import priority
+
+    if not hasattr(os, "SCHED_IDLE") or not priority.can_leave_idle(0):
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE / RLIMIT_NICE)")
+
+
+def test_the_copier_copies_at_sched_idle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copier takes only cores the training leaves idle (SCHED_IDLE, as the persist):
+    at the training's priority its copy slowed the overlapped step 1.31× on 2 busy cores
+    (bench/README.md, lazy rows); ``CKRUN_PERSIST_SCHED=other`` keeps the old policy."""
+    _leaves_idle()
+    seen: list[int] = []
+    orig = LazySnapshot._copy
+    main = threading.main_thread()
+
+    def spy(self: LazySnapshot, e: Any) -> None:
+        if threading.current_thread() is not main:
+            seen.append(os.sched_getscheduler(0))
+        orig(self, e)
+
+    monkeypatch.setattr(LazySnapshot, "_copy", spy)
+    for sched, want in (("idle", os.SCHED_IDLE), ("other", os.SCHED_OTHER)):
+        monkeypatch.setenv("CKRUN_PERSIST_SCHED", sched)
+        seen.clear()
+        state = make()
+        train(state, 1)
+        with ckrun.Checkpointer(str(tmp_path / sched), rng=False) as ck:
+            ck.async_save(2, state, lazy=True).result()
+        assert seen and set(seen) == {want}, (sched, seen)
+
+
+def test_a_step_waiting_for_the_copier_raises_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the optimizer's pre-hook must wait for a tensor the idle copier is copying,
+    the copier goes back to the normal policy first: a busy machine cannot starve the
+    step behind it."""
+    _leaves_idle()
+    monkeypatch.setenv("CKRUN_PERSIST_SCHED", "idle")
+    entered, gate = threading.Event(), threading.Event()
+    policy: list[int] = []
+    orig = LazySnapshot._copy
+    main = threading.main_thread()
+    trainer: list[threading.Thread] = []
+
+    def held(self: LazySnapshot, e: Any) -> None:
+        me = threading.current_thread()
+        if me is not main and me not in trainer and not entered.is_set():
+            entered.set()
+            gate.wait(30)  # released by the test (or on its failure: copy anyway)
+            policy.append(os.sched_getscheduler(0))
+        orig(self, e)
+
+    monkeypatch.setattr(LazySnapshot, "_copy", held)
+    state = make()
+    train(state, 1)
+    with ckrun.Checkpointer(str(tmp_path / "run"), rng=False) as ck:
+        h = ck.async_save(2, state, lazy=True)
+        assert entered.wait(10)
+        lz = started_lazy(ck)
+        t = threading.Thread(target=train, args=(state, 1))
+        trainer.append(t)
+        t.start()  # its step's pre-hook copies the rest, then waits for the held tensor
+        import time
+
+        deadline = time.monotonic() + 10
+        try:
+            while os.sched_getscheduler(lz._copier_tid or 0) != os.SCHED_OTHER:
+                assert time.monotonic() < deadline, "the waiting step did not raise the copier"
+                time.sleep(0.01)
+        finally:
+            gate.set()
+        t.join(30)
+        h.result()
+    assert policy == [os.SCHED_OTHER]
+    assert lz.stats.by_hook >= 1 and lz.stats.by_copier >= 1
