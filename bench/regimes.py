@@ -18,7 +18,8 @@ taken seconds apart on the same shared machine):
             ckrun.checkpoint.inplace_load)
     small : 1 MB and 40 MB states saved ``SMALL_SAVES`` times with ``GAP_S`` of compute
             between saves (retention keep_last=3 deleting): median seconds of the save
-            call, torch.save + fsync and ckrun save
+            call, torch.save + fsync, ckrun save, and the protocol floor (ckrun's commit
+            sequence in bare system calls, :func:`protocol_floor`)
 """
 
 from __future__ import annotations
@@ -215,6 +216,42 @@ def loads_round(
     return method
 
 
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def protocol_floor(root: str, i: int, bufs: list[memoryview], pool: Any) -> None:
+    """ckrun's commit sequence in bare system calls (issue 19's "same durability"): the
+    shard written under its final name in a new step directory and a 2 KB manifest under
+    a temp name, their fsyncs and the directories' together (first flush), then the
+    manifest linked into place and the step directory fsynced (second flush): no reader
+    sees a manifest naming a shard that is not durable.  torch.save + fsync makes only
+    its file's data durable, not its name: one flush."""
+    d = f"{root}/floor/step-{i:08d}"
+    os.mkdir(d)
+    fd = os.open(f"{d}/shard", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    mfd = os.open(f"{d}/.tmp-manifest", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for b in bufs:
+            os.write(fd, b)
+        os.write(mfd, b"m" * 2048)
+        futs = [pool.submit(_fsync_path, x) for x in (d, f"{root}/floor")]
+        futs.append(pool.submit(os.fsync, mfd))
+        os.fsync(fd)
+        for f in futs:
+            f.result()
+    finally:
+        os.close(fd)
+        os.close(mfd)
+    os.link(f"{d}/.tmp-manifest", f"{d}/manifest.json")
+    os.unlink(f"{d}/.tmp-manifest")
+    _fsync_path(d)
+
+
 def small_saves(root: str, out: dict[str, list[float]]) -> None:
     """1 MB and 40 MB states saved ``SMALL_SAVES`` times, "every few steps": a training
     step's worth of matmuls (about ``GAP_S``) runs between saves, and the figure is the
@@ -257,6 +294,21 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
         out.setdefault(f"small {mb} MB: ckrun save", []).append(statistics.median(ts))
         _rm(f"{root}/small-ck")
         _rm(f"{root}/small.pt")
+        from concurrent.futures import ThreadPoolExecutor
+
+        bufs = [memoryview(t.numpy()).cast("B") for t in sd.values()]
+        os.makedirs(f"{root}/floor")
+        ts = []
+        with ThreadPoolExecutor(3) as pool:
+            for i in range(SMALL_SAVES):
+                step()
+                t = time.perf_counter()
+                protocol_floor(root, i, bufs, pool)
+                ts.append(time.perf_counter() - t)
+                if i >= 3:  # keep the last 3, as the ckrun rows (outside the timing)
+                    _rm(f"{root}/floor/step-{i - 3:08d}")
+        out.setdefault(f"small {mb} MB: protocol floor", []).append(statistics.median(ts))
+        _rm(f"{root}/floor")
 
 
 def run_small(root: str, repeats: int) -> dict[str, Any]:
@@ -285,12 +337,17 @@ def small_table(r: dict[str, Any], regime: str) -> str:
         f"torch {torch.__version__}, {SMALL_SAVES} saves per round with {GAP_S * 1e3:g} ms "
         f"of compute between them, median per round, median of {r['repeats']} rounds",
         "",
-        "| state | torch.save + fsync (s) | ckrun save (s) | ratio | target |",
-        "|---|---:|---:|---:|---|",
+        "| state | torch.save + fsync (s) | ckrun save (s) | ratio | target | protocol "
+        "floor (s) | floor / torch.save + fsync | ckrun / floor |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for mb in (1, 40):
         t, c = s[f"small {mb} MB: torch.save + fsync"], s[f"small {mb} MB: ckrun save"]
-        lines.append(f"| {mb} MB | {t:.4f} | {c:.4f} | {c / t:.2f}× | ≤ 1.0 {_mark(c <= t)} |")
+        f = s[f"small {mb} MB: protocol floor"]
+        lines.append(
+            f"| {mb} MB | {t:.4f} | {c:.4f} | {c / t:.2f}× | ≤ 1.0 {_mark(c <= t)} "
+            f"| {f:.4f} | {f / t:.2f}× | {c / f:.2f}× |"
+        )
     return "\n".join(lines)
 
 
@@ -366,8 +423,10 @@ def table(r: dict[str, Any], regime: str) -> str:
         lines.append(f"| {k} | {dt:.3f} | {rate[k]:.2f} |")
     for mb in (1, 40):
         t, c = s[f"small {mb} MB: torch.save + fsync"], s[f"small {mb} MB: ckrun save"]
+        f = s[f"small {mb} MB: protocol floor"]
         lines.append(
-            f"| small {mb} MB, per save: torch.save + fsync / ckrun save | {t:.4f} / {c:.4f} | |"
+            f"| small {mb} MB, per save: torch.save + fsync / ckrun save / protocol floor "
+            f"| {t:.4f} / {c:.4f} / {f:.4f} | |"
         )
     od = max(
         rate["O_DIRECT write + fsync (1 outstanding)"],
@@ -393,6 +452,13 @@ def table(r: dict[str, Any], regime: str) -> str:
                 f"small {mb} MB: ckrun save time / torch.save + fsync time",
                 s[f"small {mb} MB: ckrun save"] / s[f"small {mb} MB: torch.save + fsync"],
                 -1.0,
+            )
+        )
+        ratios.append(
+            (
+                f"small {mb} MB: protocol floor (two ordered flushes) / torch.save + fsync",
+                s[f"small {mb} MB: protocol floor"] / s[f"small {mb} MB: torch.save + fsync"],
+                None,
             )
         )
     lines += ["", "| ratio | measured | target |", "|---|---:|---:|"]
