@@ -55,6 +55,7 @@ events of its tensors; the persist synchronises on every event before writing.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -74,6 +75,12 @@ __all__ = ["LazySnapshot", "optimizers_in"]
 log = logging.getLogger(__name__)
 
 PENDING, CLAIMED, DONE = 0, 1, 2
+
+
+def _same_dense_cpu(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Both contiguous CPU tensors of one dtype and size: a byte copy is the copy."""
+    dense = all(t.device.type == "cpu" and t.is_contiguous() for t in (src, dst))
+    return dense and src.dtype == dst.dtype and src.numel() == dst.numel()
 
 
 @dataclass
@@ -189,10 +196,17 @@ class LazySnapshot:
                 e.state = CLAIMED
             return mine
 
-    def _copy(self, e: _Entry) -> None:
+    def _copy(self, e: _Entry, *, one_thread: bool = False) -> None:
+        """Copy ``e`` into its host buffer.  ``one_thread`` (the copier): a dense CPU
+        tensor is copied with ``ctypes.memmove`` (releases the GIL, no OpenMP team:
+        torch's ``copy_`` from another thread starts a worker of its own, which would
+        inherit ``SCHED_IDLE`` and stay there when the copier is raised)."""
         try:
             with torch.no_grad():
-                if e.src.device.type == "cuda":
+                if one_thread and _same_dense_cpu(e.src, e.dst):
+                    n = e.src.numel() * e.src.element_size()
+                    ctypes.memmove(e.dst.data_ptr(), e.src.data_ptr(), n)
+                elif e.src.device.type == "cuda":
                     side = self._side[e.src.device]
                     with torch.cuda.stream(side):
                         e.dst.copy_(e.src, non_blocking=True)
@@ -230,13 +244,17 @@ class LazySnapshot:
         if persist_sched():
             self._copier_tid = threading.get_native_id()
             priority.lower(0, idle=True)
+        mine: list[_Entry] = []  # claimed by the copier
         try:
             for e in self.entries:
                 if self._claim([e]):
-                    self._copy(e)
+                    mine.append(e)
+                    self._copy(e, one_thread=True)
                     self.stats.by_copier += 1
         except BaseException as exc:  # leave no entry pending: the persist would hang
-            for e in self._claim(self.entries):
+            with self._cond:
+                left = [e for e in mine if e.state != DONE]
+            for e in left + self._claim(self.entries):
                 self._fail(f"{e.name}: the copier stopped: {exc}")
                 with self._cond:
                     e.state = DONE

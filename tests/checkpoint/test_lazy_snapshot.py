@@ -318,10 +318,10 @@ def test_the_copier_copies_at_sched_idle(tmp_path: Path, monkeypatch: pytest.Mon
     orig = LazySnapshot._copy
     main = threading.main_thread()
 
-    def spy(self: LazySnapshot, e: Any) -> None:
+    def spy(self: LazySnapshot, e: Any, **kw: Any) -> None:
         if threading.current_thread() is not main:
             seen.append(os.sched_getscheduler(0))
-        orig(self, e)
+        orig(self, e, **kw)
 
     monkeypatch.setattr(LazySnapshot, "_copy", spy)
     for sched, want in (("idle", os.SCHED_IDLE), ("other", os.SCHED_OTHER)):
@@ -348,13 +348,13 @@ def test_a_step_waiting_for_the_copier_raises_it(
     main = threading.main_thread()
     trainer: list[threading.Thread] = []
 
-    def held(self: LazySnapshot, e: Any) -> None:
+    def held(self: LazySnapshot, e: Any, **kw: Any) -> None:
         me = threading.current_thread()
         if me is not main and me not in trainer and not entered.is_set():
             entered.set()
             gate.wait(30)  # released by the test (or on its failure: copy anyway)
             policy.append(os.sched_getscheduler(0))
-        orig(self, e)
+        orig(self, e, **kw)
 
     monkeypatch.setattr(LazySnapshot, "_copy", held)
     state = make()
@@ -379,3 +379,52 @@ def test_a_step_waiting_for_the_copier_raises_it(
         h.result()
     assert policy == [os.SCHED_OTHER]
     assert lz.stats.by_hook >= 1 and lz.stats.by_copier >= 1
+
+
+def test_the_idle_copier_leaves_no_unraisable_idle_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's ``copy_`` from another thread starts an OpenMP worker of that thread's
+    own; started by the idle copier it would inherit SCHED_IDLE, and raising the copier
+    (a step waiting for it) would leave that worker starving.  Every thread at
+    SCHED_IDLE after a lazy save is one the priority module raises when waited for."""
+    _leaves_idle()
+    from ckrun.storage import priority
+
+    monkeypatch.setenv("CKRUN_PERSIST_SCHED", "idle")
+    state = make()
+    # tensors above torch's parallel grain (32768 elements): copy_ would use a team
+    state["model"].a = torch.nn.Linear(8, 16384)
+    state["model"].bn = torch.nn.BatchNorm1d(16384)
+    state["model"].b = torch.nn.Linear(16384, 4)
+    state["optimizer"] = torch.optim.AdamW(state["model"].parameters(), lr=1e-2)
+    train(state, 1)
+    with ckrun.Checkpointer(str(tmp_path / "run"), rng=False) as ck:
+        ck.async_save(2, state, lazy=True).result()
+        assert started_lazy(ck).stats.by_copier >= 1
+        idle = {
+            int(t) for t in os.listdir("/proc/self/task") if priority.policy_name(int(t)) == "idle"
+        }
+        assert idle <= priority.registered(), idle - priority.registered()
+
+
+def test_a_copier_failing_mid_entry_fails_the_save_instead_of_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error in the copier between claiming a tensor and finishing its copy (here: in
+    the copy itself, before the entry is marked) fails the save with the copier's error;
+    the entry it held is not left pending for the persist to wait on forever."""
+    main = threading.main_thread()
+
+    def broken(self: LazySnapshot, e: Any, **kw: Any) -> None:
+        if threading.current_thread() is not main:
+            raise MemoryError("simulated: the copier died mid-copy")
+
+    monkeypatch.setattr(LazySnapshot, "_copy", broken)
+    state = make()
+    train(state, 1)
+    with ckrun.Checkpointer(str(tmp_path / "run"), rng=False) as ck:
+        h = ck.async_save(2, state, lazy=True)
+        with pytest.raises(ckrun.CheckpointError, match="the copier stopped"):
+            h.result(timeout=30)
+        assert ck.latest() is None
