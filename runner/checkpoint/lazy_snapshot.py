@@ -21,7 +21,8 @@ Parameters and optimizer state are then copied into the same host buffers by a
 background thread (the *copier*, kept by the saver, at ``SCHED_IDLE`` like the persist,
 :mod:`ckrun.checkpoint.persist_policy`: it copies only on cores the training leaves
 idle; measured on 2 vCPUs, a copier at the training's priority slowed the overlapped
-step 1.31×, at ``SCHED_IDLE`` 1.11-1.18×, bench/README.md), while the training loop
+step 1.31×, at ``SCHED_IDLE`` 1.10-1.18×, bench/README.md; it copies dense CPU tensors
+with ``memmove``, one thread, no OpenMP team of its own), while the training loop
 runs the next forward and backward pass, in which they are read only.  Before an
 optimizer's ``step()`` first writes, its pre-hook copies in the calling thread every one
 of its tensors the copier has not taken yet, raises the copier back to the normal policy
