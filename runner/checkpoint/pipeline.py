@@ -36,6 +36,7 @@ from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.state import capture
 from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StateUnusable, StorageError
+from ckrun.storage import priority
 from ckrun.storage.base import ObjectWriter, PublishesAfter, Storage
 
 log = logging.getLogger(__name__)
@@ -335,7 +336,9 @@ def retain_later(ctx: CommitContext, m: Manifest) -> None:
         return
     wait_retention(ctx)
     if ctx.retainer is None:
-        ctx.retainer = ThreadPoolExecutor(1, thread_name_prefix="ckrun-retention")
+        ctx.retainer = ThreadPoolExecutor(  # a sync save waits for it: never idle
+            1, thread_name_prefix="ckrun-retention", initializer=priority.normal_policy
+        )
     ctx.retaining = ctx.retainer.submit(retain, ctx, m)
 
 

@@ -96,7 +96,9 @@ class DirectWriter(LocalWriter):
         self._cur = 0
         self._fill = 0
         self._off = 0  # file offset of the current buffer's first byte
-        self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="ckrun-odirect")
+        self._pool = ThreadPoolExecutor(  # started by an idle persist: registered
+            self.depth, thread_name_prefix="ckrun-odirect", initializer=priority.register_inherited
+        )
 
     def _wait(self, i: int) -> None:
         f = self._pending[i]

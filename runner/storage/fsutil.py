@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckrun.errors import map_os_error
+from ckrun.storage import priority
 
 __all__ = [
     "SYNC_THREADS",
@@ -114,7 +115,10 @@ def _sync_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(SYNC_THREADS, "ckrun-fsync"))
+            pool = ThreadPoolExecutor(
+                SYNC_THREADS, "ckrun-fsync", initializer=priority.normal_policy
+            )  # shared with synchronous saves: never left at a persist's SCHED_IDLE
+            _pool = (os.getpid(), pool)
         return _pool[1]
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "PERSIST_NICE",
     "can_leave_idle",
     "lower",
+    "normal_policy",
     "policy_name",
     "raise_thread",
     "raise_waited",
@@ -126,6 +127,14 @@ def raise_waited() -> int:
         _prune()
         tids = list(_lowered)
     return sum(raise_thread(tid) for tid in tids)
+
+
+def normal_policy() -> None:
+    """``ThreadPoolExecutor`` initializer of pools shared with callers that wait on them
+    (the fsync pool, the retention thread): a thread started by a ``SCHED_IDLE`` persist
+    inherits ``SCHED_IDLE`` (``clone`` copies it) and would stay there, so a later
+    synchronous save would wait on a starving thread; it leaves it at once."""
+    raise_thread(threading.get_native_id())
 
 
 def raise_thread(tid: int) -> bool:

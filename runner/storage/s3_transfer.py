@@ -32,6 +32,7 @@ from ckrun.errors import (
     PreconditionFailed,
     StorageError,
 )
+from ckrun.storage import priority
 from ckrun.storage.base import ObjectInfo
 from ckrun.storage.s3_options import S3Options
 
@@ -194,7 +195,9 @@ class S3Writer:
                 ChecksumType="FULL_OBJECT",
             )
             self._upload_id = str(resp["UploadId"])
-            self._pool = ThreadPoolExecutor(s.options.max_concurrency, "ckrun-s3-part")
+            self._pool = ThreadPoolExecutor(  # started by an idle persist: registered
+                s.options.max_concurrency, "ckrun-s3-part", initializer=priority.register_inherited
+            )
         while len(self._pending) >= s.options.max_concurrency:
             self._parts.append(self._pending.popleft().result())
         number = len(self._parts) + len(self._pending) + 1

@@ -22,7 +22,7 @@ import pytest
 import torch
 from ckrun.checkpoint import async_save as aio
 from ckrun.checkpoint import discovery
-from ckrun.checkpoint.lazy_snapshot import LazySnapshot
+from ckrun.checkpoint.lazy_snapshot import DONE, LazySnapshot
 from ckrun.control import write_notice
 from ckrun.notices import Notice
 
@@ -302,6 +302,15 @@ def test_lazy_save_of_cuda_tensors_is_bitwise_a_sync_save(
     assert shard_bytes(tmp_path / "run", K) == expected
 
 
+def _until(cond: Any, what: str, timeout_s: float = 30.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
 def _leaves_idle() -> None:
     from ckrun.storage import priority
 
@@ -330,7 +339,11 @@ def test_the_copier_copies_at_sched_idle(tmp_path: Path, monkeypatch: pytest.Mon
         state = make()
         train(state, 1)
         with ckrun.Checkpointer(str(tmp_path / sched), rng=False) as ck:
-            ck.async_save(2, state, lazy=True).result()
+            h = ck.async_save(2, state, lazy=True)
+            lz = started_lazy(ck)
+            # result() raises a waited-for copier (by design): let it finish unwaited
+            _until(lambda lz=lz: all(e.state == DONE for e in lz.entries), "the copies")
+            h.result()
         assert seen and set(seen) == {want}, (sched, seen)
 
 

@@ -220,3 +220,35 @@ def test_the_lag_bound_rejects_a_bad_value(run_dir: Path, monkeypatch: pytest.Mo
     with ckrun.Checkpointer(storage=str(run_dir)) as ck, pytest.raises(ConfigError) as e:
         ck.async_save(1, make_state(1))
     assert "CKRUN_PERSIST_IDLE_S" in str(e.value)
+
+
+@pytest.mark.skipif(not IDLE_OK, reason="leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE")
+def test_shared_pools_started_by_an_idle_persist_do_not_stay_idle(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process-wide fsync pool is started by whichever thread fsyncs first; started
+    by a SCHED_IDLE persist, its threads inherited SCHED_IDLE for good, and every later
+    synchronous save's fsyncs ran on them (the training thread waiting on threads that
+    only run on idle cores).  They leave SCHED_IDLE as they start."""
+    from ckrun.storage import fsutil
+
+    monkeypatch.setattr(fsutil, "_pool", None)  # a fresh pool, started below
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    out: dict[str, Any] = {}
+
+    def persist() -> None:
+        out["policy"] = priority.lower(12)
+        fsutil.fsync_paths([str(f), str(tmp_path)])  # starts the shared pool from here
+        pool = fsutil._sync_pool()
+        out["pool"] = {pool.submit(os.sched_getscheduler, 0).result() for _ in range(8)}
+
+    t = threading.Thread(target=persist)
+    t.start()
+    t.join(30)
+    try:
+        assert out["policy"] == "idle"
+        assert out["pool"] == {os.SCHED_OTHER}
+    finally:
+        if fsutil._pool is not None:
+            fsutil._pool[1].shutdown(wait=True)
