@@ -45,6 +45,7 @@ from checkpoint import (
 )
 from checkpoint_async import flat
 from ckrun.storage import probe
+from ckrun.storage.fsutil import fsync_path
 from ckrun.storage.local import LocalStorage
 from ckrun.storage.local_writer import LocalWriter
 
@@ -216,14 +217,6 @@ def loads_round(
     return method
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def protocol_floor(root: str, i: int, bufs: list[memoryview], pool: Any) -> None:
     """ckrun's commit sequence in bare system calls (issue 19's "same durability"): the
     shard written under its final name in a new step directory and a 2 KB manifest under
@@ -239,7 +232,7 @@ def protocol_floor(root: str, i: int, bufs: list[memoryview], pool: Any) -> None
         for b in bufs:
             os.write(fd, b)
         os.write(mfd, b"m" * 2048)
-        futs = [pool.submit(_fsync_path, x) for x in (d, f"{root}/floor")]
+        futs = [pool.submit(fsync_path, x) for x in (d, f"{root}/floor")]
         futs.append(pool.submit(os.fsync, mfd))
         os.fsync(fd)
         for f in futs:
@@ -249,7 +242,7 @@ def protocol_floor(root: str, i: int, bufs: list[memoryview], pool: Any) -> None
         os.close(mfd)
     os.link(f"{d}/.tmp-manifest", f"{d}/manifest.json")
     os.unlink(f"{d}/.tmp-manifest")
-    _fsync_path(d)
+    fsync_path(d)
 
 
 def small_saves(root: str, out: dict[str, list[float]]) -> None:

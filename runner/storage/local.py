@@ -39,7 +39,7 @@ from ckrun.errors import map_os_error
 from ckrun.storage import probe
 from ckrun.storage.base import ObjectInfo, ObjectWriter
 from ckrun.storage.direct import ArenaWriter, DirectWriter
-from ckrun.storage.local_read import LocalRanges, pread_into, read_error
+from ckrun.storage.local_read import LocalRanges, read_error
 from ckrun.storage.local_writer import (
     TEMP_PREFIX,
     WRITE_BEHIND_BYTES,
@@ -251,14 +251,8 @@ class LocalStorage:
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` from ``offset`` of ``key`` with ``preadv`` (see ``Storage``; no
         readahead advice: a lone range is often not followed by the next one)."""
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise read_error(e, key, self.url) from e
-        try:
-            pread_into(fd, offset, buf, key, self.url)
-        finally:
-            os.close(fd)
+        with LocalRanges(self._path(key), key, self.url, sequential=False) as r:
+            r.read_into(offset, buf)
 
     def open_ranges(self, key: str) -> LocalRanges:
         """One descriptor for ranged reads of ``key`` in file order, readahead told the

@@ -60,13 +60,13 @@ class LocalRanges:
         StorageError: it cannot be opened.
     """
 
-    def __init__(self, path: str, key: str, url: str) -> None:
+    def __init__(self, path: str, key: str, url: str, *, sequential: bool = True) -> None:
         self.key, self.url = key, url
         try:
             self._fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             raise read_error(e, key, url) from e
-        if hasattr(os, "posix_fadvise"):
+        if sequential and hasattr(os, "posix_fadvise"):
             try:
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except OSError:
