@@ -99,6 +99,7 @@ class CommitContext:
             (:mod:`ckrun.checkpoint.inplace_load`).
         unusable: why the state is unusable (a dirty tensor is still in use), or None;
             every save refuses while it is set (:func:`begin`).
+        ledger: what retention knows between passes (:class:`~.retention.Ledger`).
     """
 
     storage: Storage
@@ -122,6 +123,7 @@ class CommitContext:
     fence: Fence | None = None
     dirty: dict[int, tuple[str, Any]] = field(default_factory=dict)
     unusable: str | None = None
+    ledger: retention.Ledger = field(default_factory=retention.Ledger)
 
     def check_fence(self, what: str) -> None:
         """Raise ``LeaseLost`` when fenced and the lease epoch is no longer current."""
@@ -226,49 +228,53 @@ def persist(
         StorageError: a write failed, or the shard reads back with another size.
         CheckpointError: a collective save failed on another rank.
     """
+    try:
+        kind = ManifestKind(kind)  # a ManifestKind, or its value
 
-    kind = ManifestKind(kind)  # a ManifestKind, or its value
+        def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
+            return make_manifest(
+                ctx, step, kind, shards, compat, metrics, created_utc, started, mkey, lay
+            )
 
-    def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
-        return make_manifest(
-            ctx, step, kind, shards, compat, metrics, created_utc, started, mkey, lay
+        if ctx.world_size > 1:  # collective: every rank's shard, rank 0 commits
+            m = collective.persist(ctx, step, snap, kind=kind, make_manifest=make)
+            ctx.verified.add(m.key)
+            ctx.written = m
+            log.info(
+                "committed step %d (%s, %d ranks, %d bytes, %.3f s)",
+                step,
+                kind,
+                m.world_size,
+                m.total_size_bytes,
+                m.save_duration_s,
+            )
+            return m
+        area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
+        key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
+        w, after = open_single_shard(ctx.storage, key, open_shard)
+        out = sharding.write_object(w, snap)
+        size, checksum = out.size_bytes, out.checksum
+        info = ctx.storage.head(key)
+        if info is None or info.size_bytes != size:
+            raise StorageError(
+                f"{key}: committed shard reads back as {info}, expected "
+                f"{size} bytes; the storage lost the write"
+            )
+        m = make(
+            (ShardInfo(key, ctx.rank, size, checksum),),
+            layout.manifest_key(step, area),
+            sharding.merge_layout([sharding.layout_part(snap, out)]),
         )
-
-    if ctx.world_size > 1:  # collective: every rank's shard, rank 0 commits
-        m = collective.persist(ctx, step, snap, kind=kind, make_manifest=make)
-        ctx.verified.add(m.key)
+        mkey = m.key
+        m = commit_manifest(ctx.storage, m, ctx.fence, after)  # conditional create, fenced
+        ctx.verified.add(mkey)
         ctx.written = m
-        log.info(
-            "committed step %d (%s, %d ranks, %d bytes, %.3f s)",
-            step,
-            kind,
-            m.world_size,
-            m.total_size_bytes,
-            m.save_duration_s,
-        )
+        log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size, m.save_duration_s)
         return m
-    area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
-    key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
-    w, after = open_single_shard(ctx.storage, key, open_shard)
-    out = sharding.write_object(w, snap)
-    size, checksum = out.size_bytes, out.checksum
-    info = ctx.storage.head(key)
-    if info is None or info.size_bytes != size:
-        raise StorageError(
-            f"{key}: committed shard reads back as {info}, expected "
-            f"{size} bytes; the storage lost the write"
-        )
-    m = make(
-        (ShardInfo(key, ctx.rank, size, checksum),),
-        layout.manifest_key(step, area),
-        sharding.merge_layout([sharding.layout_part(snap, out)]),
-    )
-    mkey = m.key
-    m = commit_manifest(ctx.storage, m, ctx.fence, after)  # conditional create, fenced
-    ctx.verified.add(mkey)
-    ctx.written = m
-    log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size, m.save_duration_s)
-    return m
+
+    except BaseException:
+        ctx.ledger.stale = True  # a shard may be left that no manifest names
+        raise
 
 
 def open_single_shard(
@@ -373,6 +379,7 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
             # a stale owner never collects a newer attempt's in-flight shard; unfenced
             # runs (no supervisor) have no stale owners and no monotonic attempts
             attempt=ctx.attempt if ctx.lease_epoch is not None else None,
+            ledger=ctx.ledger,
         )
         ctx.verified -= set(plan.manifests)
     except StorageError as e:

@@ -11,6 +11,15 @@ newer attempt than the one retaining (a stale owner, between its fence check and
 deletes, must not collect the shard a new owner is writing: on local storage that shard
 is written under its final key before its manifest, issue 19).
 Only keys :func:`ckrun.checkpoint.layout.parse` recognises are ever deleted.
+
+A writer that retains after every save keeps a :class:`Ledger` (issue 19, small frequent
+saves): after one full pass (list, parse every manifest, collect orphans, sweep temp
+files) it knows the area's committed checkpoints, adds each manifest it commits, and the
+next passes decide from that knowledge alone: no listing and no manifest parsing, only
+the deletes.  A pass is full again when the ledger is stale (a save of this writer
+failed and may have left a shard no manifest names, or a pass failed part-way) and every
+:data:`FULL_PASS_EVERY` passes (temp files of killed writers age into the sweep;
+checkpoints changed by hand are seen again).
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from ckrun.checkpoint.manifest import Manifest, ManifestKind
 from ckrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
+
+FULL_PASS_EVERY = 32  # passes: at least every 32nd retention pass lists the area
 
 
 def select(
@@ -66,10 +77,13 @@ class Plan:
     Attributes:
         manifests: manifest keys of the checkpoints to drop (deleted first).
         shards: their shard keys plus orphaned shards (deleted second).
+        deferred: orphaned shards left only because their step is newer than every
+            commit (they may belong to a live save); a :class:`Ledger` keeps them.
     """
 
     manifests: list[str] = field(default_factory=list)
     shards: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
 
 
 def plan(
@@ -81,6 +95,7 @@ def plan(
     protect: Iterable[int],
     broken_steps: Iterable[int] = (),
     attempt: int | None = None,
+    orphans: Iterable[str] | None = None,
 ) -> Plan:
     """The deletions for the ``checkpoints/`` area given its committed manifests.
 
@@ -89,6 +104,8 @@ def plan(
         broken_steps: steps whose manifest exists but is invalid: left alone entirely.
         attempt: the retaining writer's attempt: orphaned shards of newer attempts are
             left alone (None: no such limit).
+        orphans: the candidate keys for orphaned shards (None: list the area; a
+            :class:`Ledger` pass gives the orphans it deferred).
     """
     rec = {m.step: m for m in committed if m.area == "checkpoints"}
     drop = select(
@@ -109,31 +126,59 @@ def plan(
     if rec:
         newest = max(rec)
         skip = set(broken_steps)
-        for info in storage.list(layout.CHECKPOINTS):
-            k = layout.parse(info.key)
+        if orphans is None:
+            orphans = [info.key for info in storage.list(layout.CHECKPOINTS)]
+        for key in orphans:
+            k = layout.parse(key)
             if (
                 k is not None
                 and not k.is_manifest
                 and k.area == "checkpoints"
-                and k.step <= newest
                 and k.step not in skip
                 and (attempt is None or k.attempt is None or k.attempt <= attempt)
-                and info.key not in live
-                and info.key not in p.shards
+                and key not in live
+                and key not in p.shards
             ):
-                p.shards.append(info.key)
+                (p.shards if k.step <= newest else p.deferred).append(key)
     return p
 
 
-def apply(storage: Storage, p: Plan) -> None:
-    """Delete the plan's manifests, then its shards; sweep stale local temp files."""
+@dataclass
+class Ledger:
+    """One writer's knowledge of the ``checkpoints/`` area between retention passes
+    (module docstring).
+
+    Attributes:
+        manifests: manifest key → the committed manifest, as of the last full pass plus
+            this writer's commits since, minus what retention deleted.
+        broken: steps whose manifest was invalid at the last full pass (left alone).
+        deferred: orphaned shards the last pass left because they were newer than
+            every commit (:attr:`Plan.deferred`), collected once a commit reaches them.
+        stale: the next pass must be a full one (nothing known yet, or a failure since).
+        passes: incremental passes since the last full one.
+    """
+
+    manifests: dict[str, Manifest] = field(default_factory=dict)
+    broken: set[int] = field(default_factory=set)
+    deferred: list[str] = field(default_factory=list)
+    stale: bool = True
+    passes: int = 0
+
+    def full_pass_due(self) -> bool:
+        """True when the next pass must list and parse the area."""
+        return self.stale or self.passes >= FULL_PASS_EVERY - 1
+
+
+def apply(storage: Storage, p: Plan, *, sweep: bool = True) -> None:
+    """Delete the plan's manifests, then its shards; with ``sweep``, sweep stale local
+    temp files."""
     if p.manifests:
         storage.delete(p.manifests)
     if p.shards:
         storage.delete(p.shards)
-    sweep = getattr(storage, "sweep_temp", None)
-    if callable(sweep):
-        sweep(layout.CHECKPOINTS)
+    sweeper = getattr(storage, "sweep_temp", None) if sweep else None
+    if callable(sweeper):
+        sweeper(layout.CHECKPOINTS)
     if p.manifests or p.shards:
         log.info(
             "retention removed %d checkpoints and %d shard files", len(p.manifests), len(p.shards)
@@ -148,10 +193,15 @@ def retain_after(
     milestone_every: int | None,
     protect: Iterable[int],
     attempt: int | None = None,
+    ledger: Ledger | None = None,
 ) -> Plan:
     """One retention pass after committing ``m``: :func:`plan` over what
     :func:`ckrun.checkpoint.discovery.scan` finds (steps with an invalid manifest left
     alone), never deleting ``m`` nor a step in ``protect``, then :func:`apply`.
+
+    With a ``ledger`` (the writer's own, module docstring) the pass decides from the
+    ledger plus ``m`` when no full pass is due, and a full pass refreshes the ledger; a
+    failed pass leaves it stale.
 
     Returns:
         The plan applied.
@@ -160,6 +210,41 @@ def retain_after(
         StorageError: listing or deleting failed (callers log it: the commit stands and
             the next pass retries).
     """
+    if ledger is None or ledger.full_pass_due():
+        return _full_pass(storage, m, keep_last, milestone_every, protect, attempt, ledger)
+    ledger.stale = True  # until this pass has applied its plan
+    if m.area == "checkpoints" and m.key:
+        ledger.manifests[m.key] = m
+    chosen = plan(
+        storage,
+        list(ledger.manifests.values()),
+        keep_last=keep_last,
+        milestone_every=milestone_every,
+        protect={m.step, *protect},
+        broken_steps=ledger.broken,
+        attempt=attempt,
+        orphans=ledger.deferred,
+    )
+    apply(storage, chosen, sweep=False)
+    for k in chosen.manifests:
+        ledger.manifests.pop(k, None)
+    ledger.deferred = chosen.deferred
+    ledger.stale, ledger.passes = False, ledger.passes + 1
+    return chosen
+
+
+def _full_pass(
+    storage: Storage,
+    m: Manifest,
+    keep_last: int,
+    milestone_every: int | None,
+    protect: Iterable[int],
+    attempt: int | None,
+    ledger: Ledger | None,
+) -> Plan:
+    """The pass over the listed area (:func:`retain_after`); refreshes ``ledger``."""
+    if ledger is not None:
+        ledger.stale = True  # until this pass has applied its plan
     sc = scan(storage)
     broken = [p.step for k, _ in sc.problems if (p := layout.parse(k)) is not None]
     chosen = plan(
@@ -172,4 +257,13 @@ def retain_after(
         attempt=attempt,
     )
     apply(storage, chosen)
+    if ledger is not None:
+        dropped = set(chosen.manifests)
+        ledger.manifests = {
+            x.key: x
+            for x in sc.manifests
+            if x.area == "checkpoints" and x.key and x.key not in dropped
+        }
+        ledger.broken, ledger.deferred = set(broken), chosen.deferred
+        ledger.stale, ledger.passes = False, 0
     return chosen

@@ -42,11 +42,11 @@ from typing import IO, Any
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 
 from .. import control
-from ..errors import ConfigError, ObjectExists, ObjectNotFound
+from ..errors import ConfigError, ObjectExists, ObjectNotFound, StorageError
 from ..storage.base import ObjectInfo, ObjectWriter, RangeReader, ReadsInOrder, Storage
 from . import layout
 from .tiering_upload import CHUNK, copy_shard, retain_remote
-from .tiering_util import HookedWriter, UploadPolicy
+from .tiering_util import HookedWriter, Pins, UploadPolicy, upload_keys
 
 __all__ = ["CHUNK", "TieredStorage", "UploadPolicy", "open_from_env", "open_tiered"]
 
@@ -97,6 +97,7 @@ class TieredStorage:
         self._ordinal = 0
         self._jobs: deque[tuple[str, Any]] = deque()
         self._busy = 0
+        self._pins = Pins(local.delete)  # a queued upload's local files stay until read
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         from .lease import Fence
@@ -136,8 +137,9 @@ class TieredStorage:
         return HookedWriter(self.local.open_write(key), self._committed)
 
     def delete(self, keys: Iterable[str]) -> None:
-        """Delete from the local tier only (the remote tier has its own retention)."""
-        self.local.delete(keys)
+        """Delete from the local tier only (the remote tier has its own retention); the
+        files of a queued upload are deleted once it has read them (:class:`Pins`)."""
+        self._pins.delete(keys)
 
     def local_path(self, key: str) -> str | None:
         return self.local.local_path(key)
@@ -203,7 +205,10 @@ class TieredStorage:
             return None
         if emergency:
             with self._cv:  # a newer checkpoint supersedes queued, unstarted uploads
+                dropped = [j[1] for j in self._jobs if j[0] == "checkpoint"]
                 self._jobs = deque(j for j in self._jobs if j[0] != "checkpoint")
+            for old in dropped:
+                self._pins.unpin(upload_keys(old))
         return self._enqueue("checkpoint", m)
 
     def _fits_deadline(self, m: Manifest) -> bool:
@@ -226,6 +231,8 @@ class TieredStorage:
         return False
 
     def _enqueue(self, kind: str, item: Any) -> None:
+        if kind == "checkpoint":
+            self._pins.pin(upload_keys(item))
         with self._cv:
             self._jobs.append((kind, item))
             if self._thread is None:
@@ -258,9 +265,17 @@ class TieredStorage:
                 )
                 self._event("upload_failed", step, None, error=str(e))
             finally:
+                if kind == "checkpoint":
+                    self._unpin(item)
                 with self._cv:
                     self._busy -= 1
                     self._cv.notify_all()
+
+    def _unpin(self, m: Manifest) -> None:
+        try:
+            self._pins.unpin(upload_keys(m))
+        except StorageError as e:  # the local tier's retention retries these deletes
+            log.warning("deferred local deletes after step %d failed: %s", m.step, e)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued upload finished; False on timeout."""

@@ -1,8 +1,12 @@
-"""Parts of the two-tier storage (:mod:`ckrun.checkpoint.tiering`): the upload policy and
-a writer wrapper that reports commits."""
+"""Parts of the two-tier storage (:mod:`ckrun.checkpoint.tiering`): the upload policy, a
+writer wrapper that reports commits, and the pins that keep a queued upload's local files
+until it has read them."""
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,3 +82,65 @@ class HookedWriter:
             self.commit()
         else:
             self.abort()
+
+
+def upload_keys(m: Manifest) -> list[str]:
+    """The local keys the upload of ``m`` reads (its manifest and shards)."""
+    return [m.key, *(s.key for s in m.shards)]
+
+
+class Pins:
+    """Local keys a queued or running upload still reads; deleting one waits for it.
+
+    Local retention runs after every commit and can reach a checkpoint before its upload
+    has copied it (saves faster than uploads): the upload then found its files gone and
+    failed.  A delete of pinned keys is deferred and done, in the order deletes were
+    asked for (a manifest before its shards), when the last upload holding them unpins.
+
+    Args:
+        delete: the local tier's delete.
+    """
+
+    def __init__(self, delete: Callable[[Iterable[str]], None]) -> None:
+        self._delete = delete
+        self._lock = threading.Lock()
+        self._pinned: Counter[str] = Counter()
+        self._deferred: list[list[str]] = []
+
+    def pin(self, keys: Iterable[str]) -> None:
+        """Hold ``keys`` (once per upload that reads them)."""
+        with self._lock:
+            self._pinned.update(keys)
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        """Release ``keys`` and do the deferred deletes no upload holds any more.
+
+        Raises:
+            StorageError: from the local delete (what is left stays deferred).
+        """
+        with self._lock:
+            self._pinned.subtract(keys)
+            self._pinned = +self._pinned  # drop released keys
+            ready: list[str] = []
+            for batch in self._deferred:
+                ready += [k for k in batch if k not in self._pinned]
+                batch[:] = [k for k in batch if k in self._pinned]
+            self._deferred = [b for b in self._deferred if b]
+        if ready:
+            self._delete(ready)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` now, except pinned ones, which wait for their upload."""
+        keys = list(keys)
+        with self._lock:
+            later = [k for k in keys if k in self._pinned]
+            if later:
+                self._deferred.append(later)
+        now = [k for k in keys if k not in later]
+        if now:
+            self._delete(now)
+
+    def held(self) -> int:
+        """Keys pinned now (for tests and logs)."""
+        with self._lock:
+            return len(self._pinned)

@@ -174,7 +174,7 @@ class LocalStorage:
                     "open_unreferenced of a local storage"
                 )
             paths += [p for p in a.unsynced if p not in paths]
-        w = LocalWriter(self, key, write_behind=False)
+        w = LocalWriter(self, key, write_behind=False, versioned=True)
         try:
             w.write(data)
             return w.commit(if_absent=if_absent, after=paths)
@@ -197,7 +197,7 @@ class LocalStorage:
             if_match: replace only that version (compare-and-swap, see
                 :meth:`LocalWriter.commit_if_match`); ``PreconditionFailed`` otherwise.
         """
-        w = LocalWriter(self, key, write_behind=False)
+        w = LocalWriter(self, key, write_behind=False, versioned=True)
         try:
             w.write(data)
             if if_match is not None:

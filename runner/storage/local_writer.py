@@ -98,6 +98,9 @@ class LocalWriter:
             itself, created with ``O_EXCL``; :meth:`commit` closes it without an fsync
             and sets :attr:`unsynced`.  Only for attempt-unique keys that no reader opens
             until a later, durable object names them (a shard before its manifest).
+        versioned: hash the bytes as they are written (SHA-256), so a conditional
+            commit's version token (:func:`version_of`) needs no read-back; for small
+            objects (``put``), not for shards.
 
     Attributes:
         key: the destination key.
@@ -115,8 +118,10 @@ class LocalWriter:
         write_behind: bool = True,
         extra_flags: int = 0,
         in_place: bool = False,
+        versioned: bool = False,
     ):
         self.key = key
+        self._sha = hashlib.sha256() if versioned else None
         self._storage = storage
         self._final = object_path(storage.root, key)
         d = os.path.dirname(self._final)
@@ -158,6 +163,8 @@ class LocalWriter:
             raise StorageError(f"write to {self.key} after commit/abort")
         mv = memoryview(data).cast("B")
         n = len(mv)
+        if self._sha is not None:
+            self._sha.update(mv)
         step = WRITE_BEHIND_BYTES if self._behind else _MAX_WRITE
         done = 0
         try:
@@ -290,16 +297,21 @@ class LocalWriter:
 
     def _sync(self, *, versioned: bool, after: Sequence[str] = ()) -> str | None:
         """fsync (with the ``after`` paths, concurrently) and close the temp file; its
-        version token when ``versioned`` (small conditional objects: the bytes are read
-        back to hash them)."""
+        version token when ``versioned`` (from the hash kept while writing, else the
+        bytes are read back: the fd is write-only)."""
         assert self._fd is not None
         if after:
             fsync_paths(after, also=self._fd)
         else:
             os.fsync(self._fd)
+        st = os.fstat(self._fd) if versioned and self._sha is not None else None
         os.close(self._fd)
         self._fd = None
-        return read_versioned(self._tmp)[1] if versioned else None  # the fd is write-only
+        if not versioned:
+            return None
+        if st is not None and self._sha is not None:
+            return token(st, self._sha.hexdigest())
+        return read_versioned(self._tmp)[1]
 
     def abort(self) -> None:
         """Close and remove the temp file (an in-place writer: its file, unless it was
@@ -334,8 +346,13 @@ def version_of(st: os.stat_result, data: bytes | memoryview) -> str:
     exists), so a token names one write; the content hash keeps a reused inode number
     with a coarse mtime from ever matching an older token for different bytes.
     """
-    digest = hashlib.sha256(memoryview(data).cast("B")).hexdigest()[:16]
-    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{digest}"
+    return token(st, hashlib.sha256(memoryview(data).cast("B")).hexdigest())
+
+
+def token(st: os.stat_result, sha256_hex: str) -> str:
+    """The version token of a file with stat ``st`` and content SHA-256 ``sha256_hex``
+    (:func:`version_of`)."""
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{sha256_hex[:16]}"
 
 
 def read_versioned(path: str) -> tuple[bytes, str]:

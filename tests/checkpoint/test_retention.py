@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import ckrun
 import pytest
@@ -86,3 +88,110 @@ def test_orphans_of_a_newer_attempt_are_left_alone_when_fenced(
     latest = ck.latest()
     assert latest is not None and latest.step == 2
     assert left == {newer, layout.manifest_key(2), *(s.key for s in latest.shards)}, left
+
+
+class _Counting(LocalStorage):
+    """A local storage that counts the listings and reads of retention passes (on the
+    retention thread of a synchronous save)."""
+
+    lists = 0
+    gets = 0
+
+    @staticmethod
+    def _retaining() -> bool:
+        return threading.current_thread().name.startswith("ckrun-retention")
+
+    def list(self, prefix: str = "") -> list:  # type: ignore[type-arg]
+        type(self).lists += self._retaining()
+        return super().list(prefix)
+
+    def get(self, key: str) -> bytes:
+        type(self).gets += self._retaining()
+        return super().get(key)
+
+
+def _left(st: LocalStorage) -> set[str]:
+    return {o.key for o in st.list(layout.CHECKPOINTS)}
+
+
+def test_after_one_full_pass_retention_neither_lists_nor_parses(tmp_path: Path) -> None:
+    """Issue 19 (small saves, every few steps): each pass listed the area and parsed
+    every manifest (about 1.5 ms of CPU on the retention thread per save, competing with
+    the save's return and the next step).  Now the first pass of a writer lists; the
+    next ones decide from its ledger, and leave exactly what a full pass leaves."""
+    st = _Counting(str(tmp_path / "a"))
+    ref = LocalStorage(str(tmp_path / "b"))
+    ck = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=2, milestone_every=5)
+    full = ckrun.Checkpointer(storage=ref, rng=False, lock=False, keep_last=2, milestone_every=5)
+    ck.save(1, {"w": torch.zeros(4)})
+    ck.close()  # joins the first (full) pass
+    for step in range(2, 12):
+        _Counting.lists = _Counting.gets = 0
+        ck.save(step, {"w": torch.full((4,), float(step))})
+        ck.close()
+        assert (_Counting.lists, _Counting.gets) == (0, 0), step
+    for step in range(1, 12):
+        full.save(step, {"w": torch.full((4,), float(step))})
+        full._ctx.ledger.stale = True  # the reference lists on every pass
+    full.close()
+
+    def shape(s: LocalStorage) -> list[tuple[str, bool]]:  # shard names are unique
+        return sorted((k.split("/")[1], k.endswith(".json")) for k in _left(s))
+
+    assert shape(st) == shape(ref)
+    assert sorted({k.split("/")[1] for k in _left(st)}) == [
+        "step-0000000005",
+        "step-0000000010",
+        "step-0000000011",
+    ]
+
+
+def test_a_failed_save_makes_the_next_pass_collect_its_orphan(tmp_path: Path) -> None:
+    """A save that fails after writing its shard leaves a shard no manifest names; the
+    ledger cannot know it, so the failure makes the next pass a full one."""
+    from ckrun.errors import StorageError
+
+    class FailsCommitOnce(LocalStorage):
+        fail = False
+
+        def put(self, key: str, data: Any, **kw: Any) -> Any:
+            if self.fail and key.endswith("manifest.json"):
+                self.fail = False
+                raise StorageError("injected: the manifest's commit failed")
+            return super().put(key, data, **kw)
+
+    st = FailsCommitOnce(str(tmp_path))
+    ck = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=1)
+    for step in (1, 2):
+        ck.save(step, {"w": torch.zeros(4)})
+    st.fail = True
+    with pytest.raises(StorageError, match="injected"):
+        ck.save(3, {"w": torch.zeros(4)})
+    orphans = [k for k in _left(st) if "/step-0000000003/" in k]
+    assert len(orphans) == 1 and ck._ctx.ledger.stale
+    ck.save(4, {"w": torch.ones(4)})
+    ck.close()
+    latest = ck.latest()
+    assert latest is not None
+    assert _left(st) == {layout.manifest_key(4), *(s.key for s in latest.shards)}
+
+
+def test_a_full_pass_comes_at_least_every_few_passes(tmp_path: Path) -> None:
+    """What no writer of this run made (an orphan copied in by hand, temp files of
+    killed writers ageing into the sweep) is seen by a full pass at least every
+    ``FULL_PASS_EVERY`` passes."""
+    st = _Counting(str(tmp_path))
+    ck = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=1)
+    ck.save(1, {"w": torch.zeros(4)})
+    ck.close()
+    stray = layout.shard_key(1, 0, 9)
+    st.put(stray, b"copied in by hand")
+    full_at = []
+    for step in range(2, 2 + retention.FULL_PASS_EVERY):
+        _Counting.lists = 0
+        ck.save(step, {"w": torch.zeros(4)})
+        ck.close()
+        if _Counting.lists:
+            full_at.append(step)
+    assert full_at == [1 + retention.FULL_PASS_EVERY]
+    assert st.head(stray) is None

@@ -178,3 +178,24 @@ def test_list_skips_an_object_deleted_while_it_lists(
     monkeypatch.setattr(local_mod.os, "scandir", scandir_then_retention)
     keys = [o.key for o in st.list("checkpoints/")]
     assert keys == ["checkpoints/step-2/manifest.json", "checkpoints/step-2/shard.bin"]
+
+
+def test_conditional_put_takes_its_version_without_reading_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 (small saves): a manifest's conditional create hashed its bytes while
+    writing; reading the file back for the version token cost a second open and read
+    per commit.  The token is the same one ``get_versioned`` reads."""
+    from ckrun.storage import local_writer
+
+    st = LocalStorage(str(tmp_path))
+
+    def no_read_back(path: str) -> tuple[bytes, str]:
+        raise AssertionError(f"read back {path}")
+
+    with monkeypatch.context() as m:
+        m.setattr(local_writer, "read_versioned", no_read_back)
+        created = st.put("cas/obj", b"v1" * 1000, if_absent=True)
+        other = st.put("cas/obj2", b"x", if_absent=True)
+    assert st.get_versioned("cas/obj") == (b"v1" * 1000, created.version)
+    assert st.get_versioned("cas/obj2")[1] == other.version

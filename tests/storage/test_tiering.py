@@ -270,3 +270,37 @@ def test_the_storage_factory_reads_no_environment_and_ckrun_open_storage_does(
     t = ckrun.open_storage(url, local_tier=str(tmp_path / "ssd"))
     assert isinstance(t, TieredStorage) and t.local.url == str(tmp_path / "ssd" / "r8")
     assert type(ckrun.open_storage(str(tmp_path / "run"))) is LocalStorage
+
+
+def test_local_retention_waits_for_a_queued_upload(tmp_path: Path) -> None:
+    """Saves faster than uploads: local retention reached checkpoints whose upload had
+    not read them yet, and those uploads failed on missing files.  Their local files now
+    stay until their upload is done, then go (the remote tier here is a second local
+    directory, slowed by holding its first commit on an event)."""
+    import threading
+
+    release = threading.Event()
+
+    class HeldRemote(LocalStorage):
+        def put(self, key: str, data: bytes | memoryview, **kw) -> ckrun.storage.ObjectInfo:
+            if key.endswith("manifest.json"):
+                assert release.wait(30)
+            return super().put(key, data, **kw)
+
+    t = TieredStorage(
+        LocalStorage(str(tmp_path / "local")), HeldRemote(str(tmp_path / "remote")), keep_last=9
+    )
+    state = make_state()
+    with ckrun.Checkpointer(t, keep_last=1, rng=False, lock=False) as ck:
+        for step in range(1, 6):
+            train_step(state)
+            ck.save(step, state)
+    assert steps_in(t.local) == [1, 2, 3, 4, 5]  # retention asked; the uploads hold them
+    release.set()
+    assert t.flush(30)
+    assert t.stats["uploads"] == 5 and t.stats["failed"] == 0
+    assert steps_in(t.remote) == [1, 2, 3, 4, 5]
+    assert steps_in(t.local) == [5]  # the deferred deletes ran after the uploads
+    left = {i.key for i in t.local.list("checkpoints/")}
+    m = Manifest.loads(t.local.get(layout.manifest_key(5)), key=layout.manifest_key(5))
+    assert left == {m.key, *(s.key for s in m.shards)}
