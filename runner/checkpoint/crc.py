@@ -1,12 +1,14 @@
-"""CRC32C helpers: combining the CRCs of adjacent byte ranges (for parallel reads).
+"""CRC32C helpers: combining the CRCs of adjacent byte ranges (for parallel reads, and
+for a shard's whole-file CRC from its entries' CRCs without hashing twice).
 
 ``combine(crc_a, crc_b, len_b)`` is the CRC32C of ``a + b`` given the CRCs of ``a`` and
-``b``: zlib's ``crc32_combine`` (Mark Adler, zlib 1.2.x, GF(2) matrix method) with the
-reflected Castagnoli polynomial 0x82F63B78.  About 30 32×32 matrix squarings for a 1 GiB
-range; the operators for 2**k zero bytes are cached, and so is the operator of each
-recent ``len_b`` (a run saves the same entry sizes step after step): a repeated combine
-costs one 32x32 matrix-vector product (a few microseconds), a new length one product
-per set bit of ``len_b`` (tens of microseconds).
+``b`` (zlib's ``crc32_combine``, Mark Adler: zlib 1.2.x's GF(2) matrix method and 1.2.12's
+multiplication form), with the reflected Castagnoli polynomial 0x82F63B78.  Appending
+``len_b`` zero bytes multiplies a CRC by x^(8·len_b) modulo the polynomial.  That
+multiplier is found by applying the cached operators for 2**k zero bytes (32×32 GF(2)
+matrices) to the polynomial 1, one product per set bit of ``len_b`` (tens of
+microseconds), and is kept for recent lengths (a run saves the same entry sizes step
+after step); a combine is then one 32-step multiplication (a few microseconds).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 
 POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
+_ONE = 1 << 31  # the polynomial 1 (x^0): bit 31 in the reflected representation
 
 
 def _times(mat: list[int], vec: int) -> int:
@@ -42,20 +45,28 @@ def _zeros(k: int) -> list[int]:
     return _ZEROS[k]
 
 
-@functools.lru_cache(maxsize=1024)
-def _operator(len_b: int) -> list[int]:
-    """The operator appending ``len_b`` zero bytes (``len_b`` > 0): the product of the
-    cached 2**k operators of its set bits (they commute: powers of one operator)."""
-    op: list[int] | None = None
-    k = 0
+@functools.lru_cache(maxsize=4096)
+def _shift(len_b: int) -> int:
+    """x^(8·len_b) mod POLY: ``len_b`` zero bytes appended to the polynomial 1."""
+    p, k = _ONE, 0
     while len_b > 0:
         if len_b & 1:
-            z = _zeros(k)
-            op = z if op is None else [_times(z, col) for col in op]
+            p = _times(_zeros(k), p)
         len_b >>= 1
         k += 1
-    assert op is not None
-    return op
+    return p
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a·b modulo POLY, both reflected (bit 31 is x^0)."""
+    p, m = 0, _ONE
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+    return p
 
 
 def combine(crc_a: int, crc_b: int, len_b: int) -> int:
@@ -68,4 +79,4 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """
     if len_b <= 0:
         return crc_a ^ crc_b
-    return _times(_operator(len_b), crc_a) ^ crc_b
+    return _multmodp(_shift(len_b), crc_a) ^ crc_b
