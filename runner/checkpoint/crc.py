@@ -14,6 +14,7 @@ after step); a combine is then one 32-step multiplication (a few microseconds).
 from __future__ import annotations
 
 import functools
+import threading
 
 POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 _ONE = 1 << 31  # the polynomial 1 (x^0): bit 31 in the reflected representation
@@ -34,15 +35,17 @@ def _square(mat: list[int]) -> list[int]:
 
 
 _ZEROS: list[list[int]] = []  # _ZEROS[k]: the operator appending 2**k zero bytes
+_ZEROS_LOCK = threading.Lock()  # combines run on save, persist and read threads at once
 
 
 def _zeros(k: int) -> list[int]:
-    if not _ZEROS:
-        odd = [POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
-        _ZEROS.append(_square(_square(_square(odd))))  # 8 zero bits: one byte
-    while len(_ZEROS) <= k:
-        _ZEROS.append(_square(_ZEROS[-1]))
-    return _ZEROS[k]
+    with _ZEROS_LOCK:
+        if not _ZEROS:
+            odd = [POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
+            _ZEROS.append(_square(_square(_square(odd))))  # 8 zero bits: one byte
+        while len(_ZEROS) <= k:
+            _ZEROS.append(_square(_ZEROS[-1]))
+        return _ZEROS[k]
 
 
 @functools.lru_cache(maxsize=4096)

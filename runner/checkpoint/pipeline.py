@@ -238,6 +238,7 @@ def persist(
 
         if ctx.world_size > 1:  # collective: every rank's shard, rank 0 commits
             m = collective.persist(ctx, step, snap, kind=kind, make_manifest=make)
+            ctx.ledger.stale |= m.created_utc != created_utc  # kept another save's commit
             ctx.verified.add(m.key)
             ctx.written = m
             log.info(
@@ -267,6 +268,7 @@ def persist(
         )
         mkey = m.key
         m = commit_manifest(ctx.storage, m, ctx.fence, after)  # conditional create, fenced
+        ctx.ledger.stale |= m.created_utc != created_utc  # kept another save's: ours orphaned
         ctx.verified.add(mkey)
         ctx.written = m
         log.info("committed step %d (%s, %d bytes, %.3f s)", step, kind, size, m.save_duration_s)

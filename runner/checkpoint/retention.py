@@ -170,12 +170,15 @@ class Ledger:
 
 
 def apply(storage: Storage, p: Plan, *, sweep: bool = True) -> None:
-    """Delete the plan's manifests, then its shards; with ``sweep``, sweep stale local
-    temp files."""
+    """Delete the plan's manifests, then its shards (through the storage's ``retire``
+    where it has one: a two-tier storage keeps what its running upload reads); with
+    ``sweep``, sweep stale local temp files."""
+    retire = getattr(storage, "retire", None)
+    delete = retire if callable(retire) else storage.delete
     if p.manifests:
-        storage.delete(p.manifests)
+        delete(p.manifests)
     if p.shards:
-        storage.delete(p.shards)
+        delete(p.shards)
     sweeper = getattr(storage, "sweep_temp", None) if sweep else None
     if callable(sweeper):
         sweeper(layout.CHECKPOINTS)

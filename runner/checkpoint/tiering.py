@@ -44,7 +44,7 @@ from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 from .. import control
 from ..errors import ConfigError, ObjectExists, ObjectNotFound, StorageError
 from ..storage.base import ObjectInfo, ObjectWriter, RangeReader, ReadsInOrder, Storage
-from . import layout
+from . import layout, tiering_util
 from .tiering_upload import CHUNK, copy_shard, retain_remote
 from .tiering_util import HookedWriter, Pins, UploadPolicy, upload_keys
 
@@ -66,8 +66,9 @@ class TieredStorage:
             ``CKRUN_CONTROL_DIR`` when supervised, else none.
 
     Attributes:
-        stats: ``uploads``, ``skipped``, ``failed``, ``bytes``, ``upload_bps`` (measured
-            EWMA, bytes/s, None until the first upload), ``last_upload_s``.
+        stats: ``uploads``, ``skipped``, ``superseded`` (queued uploads of checkpoints
+            the local tier deleted first), ``failed``, ``bytes``, ``upload_bps``
+            (measured EWMA, bytes/s, None until the first upload), ``last_upload_s``.
     """
 
     def __init__(
@@ -88,16 +89,17 @@ class TieredStorage:
         self.stats: dict[str, Any] = {
             "uploads": 0,
             "skipped": 0,
+            "superseded": 0,
             "failed": 0,
             "bytes": 0,
             "upload_bps": None,
             "last_upload_s": None,
         }
-        self._events_path = events_path or _default_events_path()
+        self._events_path = events_path or tiering_util.default_events_path()
         self._ordinal = 0
         self._jobs: deque[tuple[str, Any]] = deque()
         self._busy = 0
-        self._pins = Pins(local.delete)  # a queued upload's local files stay until read
+        self._pins = Pins(local.delete)  # the running upload's files stay until read
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         from .lease import Fence
@@ -137,9 +139,28 @@ class TieredStorage:
         return HookedWriter(self.local.open_write(key), self._committed)
 
     def delete(self, keys: Iterable[str]) -> None:
-        """Delete from the local tier only (the remote tier has its own retention); the
-        files of a queued upload are deleted once it has read them (:class:`Pins`)."""
+        """Delete from the local tier only (the remote tier has its own retention), now
+        (a withdrawn or corrupt manifest); queued uploads of them are dropped."""
+        keys = list(keys)
+        self._drop_queued(keys)
+        self.local.delete(keys)
+
+    def retire(self, keys: Iterable[str]) -> None:
+        """Retention's delete (:func:`~ckrun.checkpoint.retention.apply`): queued uploads
+        of these keys are dropped (``superseded``) and what the running upload reads is
+        deleted once it is done (:class:`Pins`): local disk stays bounded, no upload fails."""
+        keys = list(keys)
+        self._drop_queued(keys)
         self._pins.delete(keys)
+
+    def _drop_queued(self, keys: list[str]) -> None:
+        ks = set(keys)
+        with self._cv:
+            gone = [j for j in self._jobs if j[0] == "checkpoint" and j[1].key in ks]
+            self._jobs = deque(j for j in self._jobs if all(j is not g for g in gone))
+            self.stats["superseded"] += len(gone)
+        for _, m in gone:
+            log.info("upload of step %d dropped: the local tier deleted it first", m.step)
 
     def local_path(self, key: str) -> str | None:
         return self.local.local_path(key)
@@ -205,10 +226,7 @@ class TieredStorage:
             return None
         if emergency:
             with self._cv:  # a newer checkpoint supersedes queued, unstarted uploads
-                dropped = [j[1] for j in self._jobs if j[0] == "checkpoint"]
                 self._jobs = deque(j for j in self._jobs if j[0] != "checkpoint")
-            for old in dropped:
-                self._pins.unpin(upload_keys(old))
         return self._enqueue("checkpoint", m)
 
     def _fits_deadline(self, m: Manifest) -> bool:
@@ -231,8 +249,6 @@ class TieredStorage:
         return False
 
     def _enqueue(self, kind: str, item: Any) -> None:
-        if kind == "checkpoint":
-            self._pins.pin(upload_keys(item))
         with self._cv:
             self._jobs.append((kind, item))
             if self._thread is None:
@@ -248,6 +264,8 @@ class TieredStorage:
                     self._cv.wait()
                 kind, item = self._jobs.popleft()
                 self._busy += 1
+                if kind == "checkpoint":  # under the lock: retire() sees it running
+                    self._pins.pin(upload_keys(item))
             try:
                 if kind == "checkpoint":
                     self.upload(item)
@@ -343,23 +361,7 @@ class TieredStorage:
         )
 
     def _event(self, kind: str, step: int | None, seconds: float | None, **fields: Any) -> None:
-        if not self._events_path:
-            return
-        from ckrun.runlog import EventLog
-
-        try:
-            EventLog(
-                self._events_path,
-                os.environ.get("CKRUN_RUN", ""),
-                int(os.environ.get("CKRUN_ATTEMPT", "0") or 0),
-            ).append(kind, step=step, seconds=seconds, **fields)
-        except (OSError, ValueError) as e:
-            log.warning("cannot record %s in %s: %s", kind, self._events_path, e)
-
-
-def _default_events_path() -> str | None:
-    cdir = control.control_dir()
-    return os.path.join(os.path.dirname(cdir.rstrip("/")), "events.jsonl") if cdir else None
+        tiering_util.record_event(self._events_path, kind, step, seconds, **fields)
 
 
 def open_tiered(remote_url: str, local_dir: str, **kw: Any) -> TieredStorage:

@@ -4,6 +4,8 @@ until it has read them."""
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -12,6 +14,7 @@ from typing import Any
 
 from ckrun.checkpoint.manifest import Manifest, ManifestKind
 
+from .. import control
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectWriter
 
@@ -84,18 +87,44 @@ class HookedWriter:
             self.abort()
 
 
+log = logging.getLogger(__name__)
+
+
+def default_events_path() -> str | None:
+    """``events.jsonl`` next to ``CKRUN_CONTROL_DIR`` when supervised, else None."""
+    cdir = control.control_dir()
+    return os.path.join(os.path.dirname(cdir.rstrip("/")), "events.jsonl") if cdir else None
+
+
+def record_event(
+    path: str | None, kind: str, step: int | None, seconds: float | None, **fields: Any
+) -> None:
+    """Append an upload event to the run's ``events.jsonl`` at ``path`` (None: nowhere);
+    a log that cannot be written is logged and skipped."""
+    if not path:
+        return
+    from ckrun.runlog import EventLog
+
+    try:
+        EventLog(
+            path, os.environ.get("CKRUN_RUN", ""), int(os.environ.get("CKRUN_ATTEMPT", "0") or 0)
+        ).append(kind, step=step, seconds=seconds, **fields)
+    except (OSError, ValueError) as e:
+        log.warning("cannot record %s in %s: %s", kind, path, e)
+
+
 def upload_keys(m: Manifest) -> list[str]:
     """The local keys the upload of ``m`` reads (its manifest and shards)."""
     return [m.key, *(s.key for s in m.shards)]
 
 
 class Pins:
-    """Local keys a queued or running upload still reads; deleting one waits for it.
+    """Local keys the running upload still reads; deleting one waits for it.
 
-    Local retention runs after every commit and can reach a checkpoint before its upload
-    has copied it (saves faster than uploads): the upload then found its files gone and
-    failed.  A delete of pinned keys is deferred and done, in the order deletes were
-    asked for (a manifest before its shards), when the last upload holding them unpins.
+    Local retention runs after every commit and can reach the checkpoint being uploaded
+    (saves faster than uploads): the upload then found its files gone and failed.  A
+    delete of pinned keys is deferred and done, in the order deletes were asked for (a
+    manifest before its shards), when the upload holding them unpins.
 
     Args:
         delete: the local tier's delete.
@@ -127,7 +156,12 @@ class Pins:
                 batch[:] = [k for k in batch if k in self._pinned]
             self._deferred = [b for b in self._deferred if b]
         if ready:
-            self._delete(ready)
+            try:
+                self._delete(ready)
+            except BaseException:
+                with self._lock:  # kept for the next unpin
+                    self._deferred.insert(0, ready)
+                raise
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` now, except pinned ones, which wait for their upload."""

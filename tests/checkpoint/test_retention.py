@@ -195,3 +195,23 @@ def test_a_full_pass_comes_at_least_every_few_passes(tmp_path: Path) -> None:
             full_at.append(step)
     assert full_at == [1 + retention.FULL_PASS_EVERY]
     assert st.head(stray) is None
+
+
+def test_a_save_that_kept_an_identical_earlier_commit_makes_its_pass_full(
+    tmp_path: Path,
+) -> None:
+    """A step already committed with identical contents (an earlier attempt, re-run
+    deterministically) keeps that manifest: this save's own shard is then named by no
+    manifest, which the ledger cannot know, so the pass after it is a full one."""
+    st = LocalStorage(str(tmp_path))
+    first = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=9)
+    first.save(1, {"w": torch.zeros(4)})
+    first.close()
+    again = ckrun.Checkpointer(storage=st, attempt=1, rng=False, lock=False, keep_last=9)
+    again.save(2, {"w": torch.ones(4)})
+    again.close()  # its first (full) pass
+    kept = again.save(1, {"w": torch.zeros(4)})
+    again.close()
+    assert kept.attempt == 0  # the first attempt's manifest was kept
+    named = {s.key for s in kept.shards}
+    assert {k for k in _left(st) if "/step-0000000001/" in k} == {kept.key, *named}

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import ckrun
 import pytest
@@ -75,7 +76,8 @@ def test_commit_local_upload_remote_manifest_last_retention(moto_s3, tmp_path) -
         m = ckrun.Manifest.loads(t.remote.get(key), key=key)
         for s in m.shards:  # S3's full-object CRC32C equals the manifest's
             assert f"crc32c:{t.remote.crc32c(s.key):08x}" == s.checksum
-    assert t.stats["uploads"] == 5 and t.stats["failed"] == 0 and t.stats["upload_bps"]
+    assert t.stats["failed"] == 0 and t.stats["upload_bps"]  # uploads that the local tier
+    assert t.stats["uploads"] + t.stats["superseded"] == 5  # deleted first are superseded
 
 
 def test_fresh_machine_resumes_from_remote(moto_s3, tmp_path) -> None:
@@ -272,35 +274,85 @@ def test_the_storage_factory_reads_no_environment_and_ckrun_open_storage_does(
     assert type(ckrun.open_storage(str(tmp_path / "run"))) is LocalStorage
 
 
-def test_local_retention_waits_for_a_queued_upload(tmp_path: Path) -> None:
-    """Saves faster than uploads: local retention reached checkpoints whose upload had
-    not read them yet, and those uploads failed on missing files.  Their local files now
-    stay until their upload is done, then go (the remote tier here is a second local
-    directory, slowed by holding its first commit on an event)."""
+def _held_tier(tmp_path: Path) -> tuple[TieredStorage, Any, Any]:
+    """A two-tier storage whose remote tier (a second local directory) holds each
+    manifest commit until ``release`` is set; ``entered`` is set when one arrives."""
     import threading
 
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
 
     class HeldRemote(LocalStorage):
-        def put(self, key: str, data: bytes | memoryview, **kw) -> ckrun.storage.ObjectInfo:
+        def put(self, key: str, data: bytes | memoryview, **kw: Any) -> Any:
             if key.endswith("manifest.json"):
+                entered.set()
                 assert release.wait(30)
             return super().put(key, data, **kw)
 
-    t = TieredStorage(
-        LocalStorage(str(tmp_path / "local")), HeldRemote(str(tmp_path / "remote")), keep_last=9
-    )
+    local, remote = LocalStorage(str(tmp_path / "local")), HeldRemote(str(tmp_path / "remote"))
+    return TieredStorage(local, remote, keep_last=9), entered, release
+
+
+def test_local_retention_keeps_what_the_running_upload_reads(tmp_path: Path) -> None:
+    """Saves faster than uploads: local retention reached the checkpoint being uploaded
+    and the upload failed on missing files.  Now the running upload's files stay until
+    it is done, then go; queued uploads of checkpoints retention deletes are dropped
+    (superseded), so local disk stays bounded by ``keep_last``."""
+    t, entered, release = _held_tier(tmp_path)
     state = make_state()
     with ckrun.Checkpointer(t, keep_last=1, rng=False, lock=False) as ck:
-        for step in range(1, 6):
+        ck.save(1, state)
+        assert entered.wait(30)  # step 1's upload is running, held at its commit
+        for step in range(2, 6):
             train_step(state)
             ck.save(step, state)
-    assert steps_in(t.local) == [1, 2, 3, 4, 5]  # retention asked; the uploads hold them
+    assert steps_in(t.local) == [1, 5]  # 2-4 deleted at once, 1 waits for its upload
     release.set()
     assert t.flush(30)
-    assert t.stats["uploads"] == 5 and t.stats["failed"] == 0
-    assert steps_in(t.remote) == [1, 2, 3, 4, 5]
-    assert steps_in(t.local) == [5]  # the deferred deletes ran after the uploads
-    left = {i.key for i in t.local.list("checkpoints/")}
+    assert (t.stats["uploads"], t.stats["superseded"], t.stats["failed"]) == (2, 3, 0)
+    assert steps_in(t.remote) == [1, 5]
+    assert steps_in(t.local) == [5]  # the deferred deletes ran after the upload
     m = Manifest.loads(t.local.get(layout.manifest_key(5)), key=layout.manifest_key(5))
-    assert left == {m.key, *(s.key for s in m.shards)}
+    assert {i.key for i in t.local.list("checkpoints/")} == {m.key, *(s.key for s in m.shards)}
+
+
+def test_a_plain_delete_is_immediate_and_drops_the_queued_upload(tmp_path: Path) -> None:
+    """A delete that is not retention's (a manifest withdrawn after the lease moved on,
+    a corrupt one replaced) takes effect at once, even for the running upload's files,
+    and a queued upload of it is dropped: a withdrawn commit never lingers behind it."""
+    t, entered, release = _held_tier(tmp_path)
+    state = make_state()
+    with ckrun.Checkpointer(t, keep_last=9, rng=False, lock=False) as ck:
+        ck.save(1, state)
+        assert entered.wait(30)
+        ck.save(2, state)
+    t.delete([layout.manifest_key(2), layout.manifest_key(1)])
+    assert steps_in(t.local) == []
+    release.set()
+    assert t.flush(30)
+    assert t.stats["superseded"] == 1 and t.stats["uploads"] + t.stats["failed"] == 1
+    assert layout.manifest_key(2) not in {i.key for i in t.remote.list("checkpoints/")}
+
+
+def test_a_failed_deferred_delete_stays_deferred() -> None:
+    from ckrun.checkpoint.tiering_util import Pins
+    from ckrun.errors import StorageError
+
+    calls: list[list[str]] = []
+    fail = [False]
+
+    def delete(keys: Any) -> None:
+        calls.append(list(keys))
+        if fail[0]:
+            fail[0] = False
+            raise StorageError("injected")
+
+    pins = Pins(delete)
+    pins.pin(["a", "b"])
+    pins.delete(["a", "c"])  # c now, a deferred
+    assert calls == [["c"]]
+    calls.clear()
+    fail[0] = True
+    with pytest.raises(StorageError):
+        pins.unpin(["a", "b"])
+    pins.unpin([])  # the next unpin retries it
+    assert calls == [["a"], ["a"]] and pins.held() == 0
