@@ -61,7 +61,12 @@ from ckrun.checkpoint.async_exit import register_exit_drain
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.checkpoint.lazy_snapshot import LazySnapshot
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, utc_now
-from ckrun.checkpoint.persist_policy import idle_limit_s, lag_bound, persist_sched
+from ckrun.checkpoint.persist_policy import (
+    idle_limit_s,
+    lag_bound,
+    persist_sched,
+    start_lag_bound,
+)
 from ckrun.checkpoint.pipeline import CommitContext, SaveHandle, check_step
 from ckrun.checkpoint.sharding import Planned
 from ckrun.errors import CheckpointError
@@ -189,8 +194,9 @@ class AsyncSaver:
                 snap = self.buffers.stage(pipeline.snapshot(ctx, state))
             meta = copy.deepcopy(dict(metrics or {}))
             stall = time.monotonic() - started
+            bound = start_lag_bound(self.idle, self.idle_limit_s, step)  # not idle itself
             fut = self._pool.submit(
-                self._persist, step, snap, kind, compat, meta, created, started, lz
+                self._persist, step, snap, kind, compat, meta, created, started, lz, bound
             )
             h = AsyncSaveHandle(fut, step, stall, snap.nbytes, started)
             self._inflight, self.last_stall_s = h, stall
@@ -206,10 +212,11 @@ class AsyncSaver:
         created: str,
         started: float,
         lz: LazySnapshot | None = None,
+        bound: threading.Timer | None = None,
     ) -> Manifest:
         t0 = time.monotonic()
         self.policy = priority.lower(self.nice, idle=self.idle)  # raised by a waiter
-        with lag_bound(self.policy, self.idle_limit_s, step):
+        with lag_bound(bound):
             open_shard = self.buffers.writer_for(self._ctx.storage)
             if lz is not None:  # every tensor copied (by the copier or a hook), checked
                 lz.wait()

@@ -6,7 +6,7 @@ only on cores training leaves idle; ``other`` keeps the normal policy at
 ``CKRUN_PERSIST_NICE``.  ``SCHED_IDLE`` alone would let a persist starve for as long as
 the cores stay busy (measured on a loaded 2-vCPU VM: 13-37 s instead of 1.4-5 s), and a
 hard kill without notice in that window loses every step since the previous commit.
-:func:`lag_bound` therefore raises a persist that is still running
+:func:`start_lag_bound` therefore raises a persist that is still running
 ``CKRUN_PERSIST_IDLE_S`` seconds (default :data:`IDLE_LIMIT_S`) after it started back to
 the normal policy, with nobody waiting: an async save is durable at most that long plus
 its own normal-priority duration after it started persisting.
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from ckrun.errors import ConfigError
 from ckrun.storage import priority
 
-__all__ = ["IDLE_LIMIT_S", "idle_limit_s", "lag_bound", "persist_sched"]
+__all__ = ["IDLE_LIMIT_S", "idle_limit_s", "lag_bound", "persist_sched", "start_lag_bound"]
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +67,17 @@ def idle_limit_s() -> float:
     return value
 
 
-@contextmanager
-def lag_bound(policy: str, limit_s: float, step: int) -> Iterator[None]:
-    """Within the block (one persist), raise its threads to the normal policy
-    (:func:`ckrun.storage.priority.raise_waited`) once ``limit_s`` seconds have passed,
-    when ``policy`` is ``"idle"``; nothing otherwise.  A daemon timer, cancelled when the
-    block ends."""
-    if policy != "idle":
-        yield
-        return
+def start_lag_bound(idle: bool, limit_s: float, step: int) -> threading.Timer | None:
+    """Start the lag bound of one persist: a daemon timer that raises the persist's
+    threads to the normal policy (:func:`ckrun.storage.priority.raise_waited`) once
+    ``limit_s`` seconds have passed; None when the persist does not run ``idle``.
+
+    Call it from the thread that submits the persist (the training thread), never from
+    the persist itself: a thread inherits its creator's scheduling policy, and a timer
+    started by the persist after it lowered itself ran at ``SCHED_IDLE`` too, so with
+    the cores busy (the case the bound exists for) it would not fire."""
+    if not idle:
+        return None
 
     def late() -> None:
         if priority.raise_waited():
@@ -90,7 +92,15 @@ def lag_bound(policy: str, limit_s: float, step: int) -> Iterator[None]:
     timer.daemon = True
     timer.name = "ckrun-persist-lag-bound"
     timer.start()
+    return timer
+
+
+@contextmanager
+def lag_bound(timer: threading.Timer | None) -> Iterator[None]:
+    """Within the block (one persist) the lag bound ``timer`` of
+    :func:`start_lag_bound` may fire; it is cancelled when the block ends."""
     try:
         yield
     finally:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()

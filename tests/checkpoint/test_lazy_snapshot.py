@@ -418,7 +418,9 @@ def test_the_idle_copier_leaves_no_unraisable_idle_thread(
         idle = {
             int(t) for t in os.listdir("/proc/self/task") if priority.policy_name(int(t)) == "idle"
         }
-        assert idle <= priority.registered(), idle - priority.registered()
+        names = {t.native_id: t.name for t in threading.enumerate()}  # in the message
+        stray = idle - priority.registered()
+        assert not stray, [(t, names.get(t)) for t in stray]
 
 
 def test_a_copier_failing_mid_entry_fails_the_save_instead_of_hanging(

@@ -99,6 +99,16 @@ def _watch_persist(monkeypatch: pytest.MonkeyPatch, gate: threading.Event | None
     return seen
 
 
+def _held_idle_persist(
+    monkeypatch: pytest.MonkeyPatch, bound_s: str
+) -> tuple[threading.Event, list[Any]]:
+    """The default (idle) persist with lag bound ``bound_s``, held until the gate is set."""
+    monkeypatch.delenv("CKRUN_PERSIST_SCHED", raising=False)
+    monkeypatch.setenv("CKRUN_PERSIST_IDLE_S", bound_s)
+    gate = threading.Event()
+    return gate, _watch_persist(monkeypatch, gate)
+
+
 @pytest.mark.skipif(not IDLE_OK, reason="leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE")
 def test_persist_threads_run_at_sched_idle(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKRUN_PERSIST_SCHED", raising=False)
@@ -199,10 +209,7 @@ def test_an_idle_persist_nobody_waits_for_is_raised_after_the_lag_bound(
     then loses every step since the previous commit.  The lag bound
     (``CKRUN_PERSIST_IDLE_S``) raises the persist to the normal policy on its own, with
     nobody waiting, so the durability lag of an async save stays bounded."""
-    monkeypatch.delenv("CKRUN_PERSIST_SCHED", raising=False)
-    monkeypatch.setenv("CKRUN_PERSIST_IDLE_S", "0.3")
-    gate = threading.Event()
-    seen = _watch_persist(monkeypatch, gate)
+    gate, seen = _held_idle_persist(monkeypatch, "0.3")
     with ckrun.Checkpointer(storage=str(run_dir)) as ck:
         h = ck.async_save(1, make_state(1))
         _until(lambda: bool(seen), "the persist started")
@@ -213,6 +220,29 @@ def test_an_idle_persist_nobody_waits_for_is_raised_after_the_lag_bound(
         gate.set()
         _until(h.done, "the persist committed")
         assert h.result().step == 1
+
+
+@pytest.mark.skipif(not IDLE_OK, reason="leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE")
+def test_the_lag_bound_itself_never_runs_idle(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bound's timer was started by the persist after it had lowered itself, and a
+    thread inherits its creator's policy: the timer ran at SCHED_IDLE, so with the cores
+    busy, when the bound matters, it would not fire.  It runs at the normal policy."""
+    gate, seen = _held_idle_persist(monkeypatch, "60")
+    with ckrun.Checkpointer(storage=str(run_dir)) as ck:
+        h = ck.async_save(1, make_state(1))
+        try:
+            _until(lambda: bool(seen), "the persist started")
+            assert seen[0][2] == os.SCHED_IDLE  # the persist itself runs idle
+            timers = [t for t in threading.enumerate() if t.name == "ckrun-persist-lag-bound"]
+            assert len(timers) == 1 and timers[0].native_id is not None
+            assert os.sched_getscheduler(timers[0].native_id) == os.SCHED_OTHER
+        finally:
+            gate.set()
+        assert h.result(60).step == 1
+    timers[0].join(10)
+    assert not timers[0].is_alive()  # cancelled when the persist ended
 
 
 def test_the_lag_bound_rejects_a_bad_value(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
