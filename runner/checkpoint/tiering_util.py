@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -133,11 +132,11 @@ class Pins:
     def __init__(self, delete: Callable[[Iterable[str]], None]) -> None:
         self._delete = delete
         self._lock = threading.Lock()
-        self._pinned: Counter[str] = Counter()
+        self._pinned: set[str] = set()  # one upload runs at a time
         self._deferred: list[list[str]] = []
 
     def pin(self, keys: Iterable[str]) -> None:
-        """Hold ``keys`` (once per upload that reads them)."""
+        """Hold ``keys`` while the upload that reads them runs."""
         with self._lock:
             self._pinned.update(keys)
 
@@ -148,8 +147,7 @@ class Pins:
             StorageError: from the local delete (what is left stays deferred).
         """
         with self._lock:
-            self._pinned.subtract(keys)
-            self._pinned = +self._pinned  # drop released keys
+            self._pinned.difference_update(keys)
             ready: list[str] = []
             for batch in self._deferred:
                 ready += [k for k in batch if k not in self._pinned]

@@ -304,14 +304,14 @@ class LocalWriter:
             fsync_paths(after, also=self._fd)
         else:
             os.fsync(self._fd)
-        st = os.fstat(self._fd) if versioned and self._sha is not None else None
+        version = None
+        if versioned and self._sha is not None:
+            version = token(os.fstat(self._fd), self._sha.hexdigest())
         os.close(self._fd)
         self._fd = None
-        if not versioned:
-            return None
-        if st is not None and self._sha is not None:
-            return token(st, self._sha.hexdigest())
-        return read_versioned(self._tmp)[1]
+        if versioned and version is None:
+            version = read_versioned(self._tmp)[1]
+        return version
 
     def abort(self) -> None:
         """Close and remove the temp file (an in-place writer: its file, unless it was
