@@ -12,8 +12,8 @@ preflight reads manifests.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Literal
 
 from ckrun.checkpoint import layout
@@ -46,8 +46,11 @@ class UnsupportedFormat(CorruptCheckpoint):
 
 
 def utc_now() -> str:
-    """The current time as UTC ISO-8601 with microseconds and a ``Z`` suffix."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """The current time as UTC ISO-8601 with microseconds and a ``Z`` suffix (formatted
+    from ``time.time_ns`` with ``time.strftime``: half the cost of a ``datetime``; every
+    save stamps two)."""
+    s, us = divmod(time.time_ns() // 1000, 1_000_000)
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(s))}.{us:06d}Z"
 
 
 @dataclass(frozen=True)

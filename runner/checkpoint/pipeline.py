@@ -252,7 +252,7 @@ def persist(
             return m
         area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
         key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
-        w, after = open_single_shard(ctx.storage, key, open_shard)
+        w, after = open_single_shard(ctx.storage, key, open_shard, snap.nbytes)
         out = sharding.write_object(w, snap)
         size, checksum = out.size_bytes, out.checksum
         info = ctx.storage.head(key)
@@ -280,14 +280,18 @@ def persist(
 
 
 def open_single_shard(
-    storage: Storage, key: str, open_shard: Callable[[str], ObjectWriter] | None
+    storage: Storage,
+    key: str,
+    open_shard: Callable[[str], ObjectWriter] | None,
+    data_bytes: int | None = None,
 ) -> tuple[ObjectWriter, tuple[ObjectWriter, ...]]:
     """The shard writer of a one-rank save, and what the manifest's commit must make
     durable first: an unreferenced writer where the storage offers one (no temp file
-    or rename; its fsyncs batched with the manifest's, :class:`PublishesAfter`), else
-    ``open_shard`` or ``storage.open_write`` (durable at its own commit)."""
+    or rename; its fsyncs batched with the manifest's, :class:`PublishesAfter`; sized
+    by ``data_bytes``, the shard's tensor bytes), else ``open_shard`` or
+    ``storage.open_write`` (durable at its own commit)."""
     if open_shard is None and isinstance(storage, PublishesAfter):
-        w = storage.open_unreferenced(key)
+        w = storage.open_unreferenced(key, data_bytes)
         if w is not None:
             return w, (w,)
     return (open_shard or storage.open_write)(key), ()

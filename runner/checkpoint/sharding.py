@@ -158,6 +158,8 @@ def _cut(t: torch.Tensor, offsets: list[int], limit: int) -> list[tuple[torch.Te
         return []
     if t.dim() == 0:
         return [(t, [])]
+    if t.numel() * t.element_size() <= limit:
+        return [(t, list(offsets))]  # one piece: the tensor itself, not a view of it
     row = max(1, t[0].numel() * t.element_size())
     rows = max(1, limit // row)
     return [(t[a : a + rows], [offsets[0] + a, *offsets[1:]]) for a in range(0, t.shape[0], rows)]

@@ -203,10 +203,11 @@ class PublishesAfter(Protocol):
     ``key`` is published, and ``key`` is durable when ``put_after`` returns.
     """
 
-    def open_unreferenced(self, key: str) -> ObjectWriter | None:
+    def open_unreferenced(self, key: str, size_hint: int | None = None) -> ObjectWriter | None:
         """A writer straight under ``key`` (a fresh, attempt-unique key); its
         ``commit()`` leaves the object complete but not durable until a ``put_after``
         names it.  None when this storage declines (then use :meth:`Storage.open_write`).
+        ``size_hint``: the expected size in bytes if known (it may pick the writer).
 
         Raises:
             ObjectExists: ``key`` exists.

@@ -59,6 +59,16 @@ def _give_back(bufs: list[mmap.mmap]) -> None:
                 pool.append(b)
 
 
+def stage_bytes(depth: int) -> int:
+    """Bytes of one staging buffer of a :class:`DirectWriter` with ``depth`` writes
+    outstanding (``depth + 1`` buffers sharing ``2 * STAGE_BYTES``, whole blocks).  An
+    object that fits in one is written through the page cache at its commit
+    (:meth:`DirectWriter._write_small`), so a caller that knows the size in advance can
+    open a buffered writer instead and skip the staging copy
+    (:meth:`ckrun.storage.local.LocalStorage.open_unreferenced`)."""
+    return max(BLOCK, (2 * STAGE_BYTES // (max(1, depth) + 1)) // BLOCK * BLOCK)
+
+
 def _address(mv: memoryview) -> int | None:
     """Address of a writable contiguous buffer (tensor memory), None for read-only ones."""
     if mv.readonly or not mv.c_contiguous or not len(mv):
@@ -88,7 +98,7 @@ class DirectWriter(LocalWriter):
         )
         self.depth = max(1, depth)
         nbuf = self.depth + 1
-        size = max(BLOCK, (2 * STAGE_BYTES // nbuf) // BLOCK * BLOCK)
+        size = stage_bytes(self.depth)
         self._stage = size
         self._bufs = _take(size, nbuf)
         self._addrs = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in self._bufs]

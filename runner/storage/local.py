@@ -38,7 +38,7 @@ from typing import IO
 from ckrun.errors import map_os_error
 from ckrun.storage import probe
 from ckrun.storage.base import ObjectInfo, ObjectWriter
-from ckrun.storage.direct import ArenaWriter, DirectWriter
+from ckrun.storage.direct import ArenaWriter, DirectWriter, stage_bytes
 from ckrun.storage.local_read import LocalRanges, read_error
 from ckrun.storage.local_writer import (
     TEMP_PREFIX,
@@ -132,10 +132,17 @@ class LocalStorage:
 
         return open_shard
 
-    def open_unreferenced(self, key: str) -> LocalWriter | None:
+    def open_unreferenced(self, key: str, size_hint: int | None = None) -> LocalWriter | None:
         """A writer of an unreferenced object straight under ``key`` (see the module
         docstring and :class:`~ckrun.storage.base.PublishesAfter`), with the writer
         :meth:`writer_choice` names; None for a subclass (it keeps its own writes).
+
+        Args:
+            size_hint: the object's expected size in bytes, if known.  An object that
+                fits in one ``O_DIRECT`` staging buffer (:func:`~.direct.stage_bytes`)
+                would be written through the page cache at the commit anyway, so it gets
+                the buffered writer at once: no staging copy, no I/O thread pool (issue
+                19, small states).  Only a choice of writer: any size may be written.
 
         Raises:
             ObjectExists: ``key`` exists (keys of unreferenced objects are fresh).
@@ -143,7 +150,7 @@ class LocalStorage:
         if type(self) is not LocalStorage:
             return None
         c = self.writer_choice()
-        if c.mode == "direct":
+        if c.mode == "direct" and (size_hint is None or size_hint > stage_bytes(c.depth)):
             try:
                 return DirectWriter(self, key, depth=c.depth, in_place=True)
             except DirectUnsupported:

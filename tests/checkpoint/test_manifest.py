@@ -130,3 +130,19 @@ def test_layout_parse() -> None:
         "events.jsonl",
     ]:
         assert layout.parse(foreign) is None
+
+
+def test_utc_now_is_iso_8601_utc_with_microseconds() -> None:
+    """The stamps of every manifest: ``YYYY-MM-DDTHH:MM:SS.ffffffZ``, the current UTC
+    time (as ``datetime`` formats it, which the readers parse)."""
+    import re
+    from datetime import datetime, timezone
+
+    from ckrun.checkpoint.manifest import utc_now
+
+    before = datetime.now(timezone.utc)
+    stamp = utc_now()
+    after = datetime.now(timezone.utc)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", stamp), stamp
+    parsed = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    assert before.replace(microsecond=0) <= parsed <= after

@@ -199,3 +199,43 @@ def test_conditional_put_takes_its_version_without_reading_back(
         other = st.put("cas/obj2", b"x", if_absent=True)
     assert st.get_versioned("cas/obj") == (b"v1" * 1000, created.version)
     assert st.get_versioned("cas/obj2")[1] == other.version
+
+
+def test_a_small_unreferenced_object_skips_the_staging_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 (small states): an object that fits in one O_DIRECT staging buffer was
+    copied into it and then written through the page cache at the commit anyway; a
+    caller that knows the size gets the buffered writer at once (no staging copy, no
+    I/O thread pool).  Larger or unknown sizes keep the probe's O_DIRECT writer."""
+    import torch
+    from ckrun import Checkpointer
+    from ckrun.storage.direct import DirectWriter, stage_bytes
+    from ckrun.storage.local_writer import LocalWriter
+
+    monkeypatch.setenv("CKRUN_WRITER", "direct:4")
+    st = LocalStorage(str(tmp_path / "run"))
+    small = st.open_unreferenced("u/a", size_hint=stage_bytes(4))
+    assert type(small) is LocalWriter
+    for key, hint in (("u/b", stage_bytes(4) + 1), ("u/c", None)):
+        w = st.open_unreferenced(key, size_hint=hint)
+        assert isinstance(w, DirectWriter) or not st.direct  # tmpfs refuses O_DIRECT
+        assert w is not None
+        w.abort()
+    assert small is not None
+    data = os.urandom(300_000)
+    small.write(data)
+    small.commit()
+    st.put_after("u/manifest", b"names u/a", [small], if_absent=True)
+    assert st.get("u/a") == data
+
+    def no_direct_writer(*a: object, **k: object) -> None:
+        raise AssertionError("a 1 MB shard was staged for O_DIRECT")
+
+    monkeypatch.setattr(DirectWriter, "__init__", no_direct_writer)
+    state = {"w": torch.arange(250_000, dtype=torch.float32)}
+    ck = Checkpointer(storage=str(tmp_path / "ck"), rng=False, lock=False)
+    ck.save(1, state)
+    back = {"w": torch.zeros(250_000)}
+    assert ck.load(back) is not None and torch.equal(back["w"], state["w"])
+    ck.close()
