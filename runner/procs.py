@@ -100,6 +100,7 @@ def spawn_session(
     env: Mapping[str, str],
     *,
     output_fd: int | None = None,
+    stdio: Sequence[int | None] = (),
     death_signal: int = 0,
 ) -> int:
     """Start ``argv`` as leader of a new session with environment ``env``; its pid.
@@ -109,6 +110,8 @@ def spawn_session(
         env: the complete environment of the command.
         output_fd: when given, the command's stdout and stderr go to this descriptor;
             otherwise they are inherited.
+        stdio: descriptors for the command's stdout and stderr, in that order (None:
+            inherited), e.g. an output relay's (:mod:`ckrun.supervisor.relay`).
         death_signal: signal the command gets when this process dies
             (``PR_SET_PDEATHSIG``, set before the exec; a parent that died before it was
             set makes the command exit ``128 + death_signal`` without running); 0: none,
@@ -140,6 +143,9 @@ def spawn_session(
             if output_fd is not None:
                 os.dup2(output_fd, 1)
                 os.dup2(output_fd, 2)
+            for target, fd in zip((1, 2), stdio, strict=False):
+                if fd is not None:
+                    os.dup2(fd, target)
             os.execvpe(argv[0], argv, env)
         except OSError as e:
             code = e.errno or 1

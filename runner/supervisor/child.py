@@ -90,6 +90,8 @@ class AttemptChild:
         if left:
             return LeaderExited(c.status, now, bool(self.notified & set(left)))
         self.current = None
+        if c.relay is not None:  # its last lines reach the console before the verdict
+            c.relay.join()
         return c
 
     def abandon(self, wake_fd: int, timeout_s: float = 5.0) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckrun import procs
+from ckrun.supervisor.relay import OutputRelay, start_relay
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Child:
     #: Sessions of descendants, tracked when not None (torchrun starts each worker in a
     #: session of its own): see :func:`members`.
     sids: set[int] | None = None
+    #: The relay of its stdout and stderr to the supervisor's console, if any
+    #: (:mod:`ckrun.supervisor.relay`); joined when the child's session is empty.
+    relay: OutputRelay | None = None
 
     @property
     def pgid(self) -> int:
@@ -81,7 +85,9 @@ def spawn(
         argv: the command; ``argv[0]`` is looked up on ``PATH`` of ``env``.
         env: the complete environment of the child.
         output_fd: when given, the child's stdout and stderr go to this descriptor
-            (detached mode); otherwise they are inherited (output streams through).
+            (detached mode); otherwise they stream through the supervisor's: relayed
+            where that console may go away (a terminal, a pipe), else inherited
+            (:mod:`ckrun.supervisor.relay`).
         track_tree: also signal and wait for descendants that left the session
             (torchrun's workers; :func:`members`).
         death_signal: signal sent to the child when the supervisor dies (0: none).
@@ -90,9 +96,28 @@ def spawn(
         OSError: the command cannot be executed (``ENOENT``, ``EACCES``); the message
             names the command.
     """
-    pid = procs.spawn_session(argv, env, output_fd=output_fd, death_signal=death_signal)
+    relay = start_relay() if output_fd is None else None
+    try:
+        pid = procs.spawn_session(
+            argv,
+            env,
+            output_fd=output_fd,
+            stdio=relay.child_fds if relay is not None else (),
+            death_signal=death_signal,
+        )
+    except BaseException:
+        if relay is not None:  # no writer ever: the relay sees EOF and exits
+            relay.release()
+            relay.join()
+        raise
+    if relay is not None:
+        relay.release()  # the child holds its ends now
     return Child(
-        pid=pid, argv=tuple(argv), started=time.monotonic(), sids=set() if track_tree else None
+        pid=pid,
+        argv=tuple(argv),
+        started=time.monotonic(),
+        sids=set() if track_tree else None,
+        relay=relay,
     )
 
 

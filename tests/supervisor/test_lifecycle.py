@@ -416,6 +416,97 @@ def test_ctrl_c_after_the_console_pipe_closed_still_saves(tmp_path: Path) -> Non
     assert "saved" in out.read_text()
 
 
+def test_a_script_printing_into_the_closed_console_pipe_still_saves(tmp_path: Path) -> None:
+    """As above, but the training script prints every step into the same pipe (a
+    newcomer's `ckrun submit train.py | tee log`).  It inherited the pipe, so once `tee`
+    was gone its next print raised BrokenPipeError and it died before the checkpoint the
+    Ctrl-C asked for (every step since the last one lost, run FAILED).  The supervisor
+    now relays the script's output (:mod:`ckrun.supervisor.relay`): the script never
+    writes into the dead pipe, saves, and the run stops CANCELLED with its work kept."""
+    env = dict(os.environ, **FAST_ENV)
+    env.pop("CKRUN_CONTROL_DIR", None)
+    args = ["submit", "--run", "tee2", "--storage", "runs", CHILD, "--steps", "400",
+            "--step-s", "0.03"]  # fmt: skip
+    sup = subprocess.Popen(
+        [PY, "-m", "ckrun.cli", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE
+    )
+    assert sup.stdout is not None
+    seen = b""
+    while b"step 5\n" not in seen:  # the script's own lines come through the relay
+        line = sup.stdout.readline()
+        assert line, seen
+        seen += line
+    sup.stdout.close()  # `tee` is gone
+    time.sleep(0.3)  # ten more steps print into the pipe
+    sup.send_signal(signal.SIGINT)
+    assert sup.wait(timeout=60) == 130
+    root = tmp_path / "runs" / "tee2"
+    done = [e for e in events(root) if e["kind"] == "cancelled"]
+    assert done and done[-1]["new_checkpoint"] is True, kinds(root)
+    again = ckrun(args, tmp_path)
+    assert again.returncode == 0, again.stderr
+    resumed = int(again.stdout.split("resumed ")[1].split()[0])
+    assert resumed > 5, again.stdout  # the notice's save, after the pipe closed
+    assert f"done {expected_w(400)}" in again.stdout, again.stdout
+
+
+def test_the_script_sees_a_terminal_and_its_streams_stay_apart(tmp_path: Path) -> None:
+    """The relay keeps what the script saw before: a terminal console is relayed through
+    a pseudo-terminal (the script still sees a tty: line-buffered output, progress bars)
+    and stdout and stderr stay separate streams."""
+    prog = (
+        "import sys\n"
+        "print('out', sys.stdout.isatty(), sys.stderr.isatty())\n"
+        "print('err-line', file=sys.stderr)\n"
+    )
+    args = ["run", "--run", "tty", "--storage", "runs", "--", PY, "-c", prog]
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(tmp_path)
+        err = os.open(str(tmp_path / "stderr.txt"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.dup2(err, 2)  # stderr to a file: not relayed, the script gets the file
+        os.execve(PY, [PY, "-m", "ckrun.cli", *args], dict(os.environ, **FAST_ENV))
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, wstatus = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.waitstatus_to_exitcode(wstatus) == 0, out
+    assert b"out True False\r\n" in out, out
+    assert b"err-line" not in out
+    assert "err-line" in (tmp_path / "stderr.txt").read_text()
+
+
+def test_the_relayed_output_ends_before_the_verdict(tmp_path: Path) -> None:
+    """The supervisor waits until the relay copied the child's last bytes (the child's
+    session is empty) before it prints the attempt's end.  The console here reads late,
+    so when the child exits, the end of its output is still in the pipes."""
+    prog = "import sys\nsys.stdout.write('x' * 2000000 + '\\nlast line\\n')\n"
+    sup = subprocess.Popen(
+        [PY, "-m", "ckrun.cli", "run", "--run", "ord", "--storage", "runs", "--", PY, "-c", prog],
+        cwd=tmp_path,
+        env=dict(os.environ, **FAST_ENV),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert sup.stdout is not None
+    time.sleep(1.0)  # the pipes fill: the child waits for the console
+    out = b""
+    while chunk := sup.stdout.read(4096):
+        out += chunk
+        time.sleep(0.0002)
+    assert sup.wait(timeout=60) == 0, out[-2000:]
+    assert out.count(b"x") >= 2000000
+    end = out.index(b"child exited with status 0")
+    assert out.index(b"last line") < end, out[-300:]
+
+
 @pytest.mark.slow
 def test_a_hung_up_terminal_keeps_the_work_since_the_last_checkpoint(tmp_path: Path) -> None:
     """An SSH session that drops under a foreground `ckrun submit`: the terminal hangs

@@ -107,13 +107,15 @@ SUBREAPER = textwrap.dedent("""
     from ckrun.supervisor import process
     ok = procs.become_subreaper()
     c = process.spawn(["sh", "-c", "sleep 0.3 & sleep 0.3 & exit 0"], os.environ)
+    relay = c.relay.pid if c.relay is not None else None  # stdout is a pipe: relayed
     reaped = {}
     end = time.monotonic() + 10
-    while len(reaped) < 3 and time.monotonic() < end:
+    while len(reaped) < 3 + (relay is not None) and time.monotonic() < end:
         reaped.update(process.reap())
         time.sleep(0.01)
+    reaped.pop(relay, None)
     print(json.dumps({"ok": ok, "sub": procs.is_subreaper(), "child": c.pid,
-                      "reaped": reaped, "alive": process.session_alive(c)}))
+                      "reaped": reaped, "alive": process.session_alive(c), "relay": relay}))
 """)
 
 
@@ -126,6 +128,7 @@ def test_subreaper_reaps_orphaned_grandchildren() -> None:
     assert res["reaped"][str(res["child"])] == 0
     assert len(res["reaped"]) == 3  # the child and its two orphaned sleepers
     assert res["alive"] is False
+    assert res["relay"] is not None  # the relay of the piped output, reaped too
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
@@ -146,3 +149,51 @@ def test_as_pid1_in_a_pid_namespace() -> None:
     res = json.loads(out)
     assert res["pid"] == 1 and res["ok"]
     assert len(res["reaped"]) == 3
+
+
+RELAY_EDGES = textwrap.dedent("""
+    import json, os, time
+    from ckrun.supervisor import process, relay
+    def open_fds():
+        out = set()
+        for f in os.listdir("/proc/self/fd"):  # (the listing's own descriptor is gone)
+            try:
+                out.add((f, os.readlink(f"/proc/self/fd/{f}")))
+            except OSError:
+                pass
+        return out
+    fds = open_fds()
+    try:  # a command that cannot start: the relay started first sees EOF and exits
+        process.spawn(["/nonexistent/cmd"], os.environ)
+    except OSError:
+        pass
+    try:  # the relay exited and was reaped: this process has no child left
+        relay_exited = os.waitpid(-1, os.WNOHANG) is None
+    except ChildProcessError:
+        relay_exited = True
+    leaked = open_fds() != fds
+    def refuse(*a, **k):
+        raise OSError(24, "Too many open files")
+    relay.subprocess.Popen = refuse  # the relay cannot start: the console is inherited
+    c = process.spawn(["sh", "-c", "echo straight to the console"], os.environ)
+    while not process.reap():
+        time.sleep(0.01)
+    print(json.dumps({"relay_exited": relay_exited, "leaked": leaked,
+                      "unrelayed": c.relay is None,
+                      "fds_after": open_fds() == fds}))
+""")
+
+
+def test_the_relay_never_blocks_a_start() -> None:
+    """A command that cannot start leaves no relay process and no descriptor behind; a
+    relay that cannot start (no file descriptors left) leaves the command writing to
+    the console itself, as before the relay existed."""
+    out = subprocess.run(
+        [sys.executable, "-c", RELAY_EDGES], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "straight to the console" in lines, out.stdout
+    res = json.loads(lines[-1])
+    assert res == {"relay_exited": True, "leaked": False, "unrelayed": True, "fds_after": True}
+    assert "output is not relayed (" in out.stderr, out.stderr  # said, with the reason
