@@ -16,9 +16,10 @@ formulas are in :mod:`ckrun.checkpoint.young_daly`; this module measures their i
 Inputs, in order of precedence:
 
 * ``δ``: the save cost measured in this process (the stall of an ``async_save``, the
-  duration of a ``save``), else the median ``save_duration_s`` of the run's committed
-  checkpoints (recorded in ``events.jsonl`` at the end of each attempt); for async saves
-  the latter is the time to durable, an upper bound of the cost to training.
+  duration of a ``save``), else the median of the run's recorded save costs: the stalls
+  of the library's ``save`` events in ``events.jsonl`` (what the training loop waited),
+  or for attempts without them the ``save_duration_s`` of their commits (recorded at each
+  attempt's end; for an async save the time to durable, an upper bound).
 * ``M``: ``mtbi_s`` given by the caller or the profile (``CKRUN_MTBI_S``), else the run's
   history: ``(exposure + PRIOR_MTBI_S) / (interruptions + 1)`` where exposure is the wall
   time of all attempts and an interruption is an attempt with a ``notice`` or
@@ -89,7 +90,11 @@ class History:
     Attributes:
         exposure_s: wall seconds of all attempts (spawn to end, or now).
         interruptions: attempts that got a ``notice`` or were ``preempted``.
-        save_costs_s: ``save_s`` of every commit recorded at the attempts' ends.
+        save_costs_s: what each save cost the training, seconds: the stall of every
+            ``save`` event the library recorded (the time the training loop waited: for
+            an ``async_save`` its snapshot, not its time to durable), and for an attempt
+            without such events the ``save_s`` of the commits recorded at its end (start
+            of the save to its commit: for an async save an upper bound).
     """
 
     exposure_s: float
@@ -110,7 +115,8 @@ def read_history(events_path: str, now: float | None = None) -> History:
     spawn: dict[int, float] = {}
     end: dict[int, float] = {}
     hit: set[int] = set()
-    costs: list[float] = []
+    stalls: dict[int, list[float]] = {}  # per attempt: the library's save events
+    commits: dict[int, list[float]] = {}  # per attempt: save_s of its commits
     for ev in read_events(events_path):
         try:
             a, kind = int(ev.get("attempt", 0)), ev.get("kind")
@@ -119,17 +125,20 @@ def read_history(events_path: str, now: float | None = None) -> History:
             continue
         if kind == "spawn":
             spawn[a] = t
+        elif kind == "save" and isinstance(ev.get("seconds"), (int, float)):
+            stalls.setdefault(a, []).append(float(ev["seconds"]))
         elif kind == "attempt_end":
             end[a] = t
-            costs += [
+            commits.setdefault(a, []).extend(
                 float(c["save_s"])
                 for c in ev.get("commits") or []
                 if isinstance(c, dict) and isinstance(c.get("save_s"), (int, float))
-            ]
+            )
         elif kind in INTERRUPTION_KINDS:
             hit.add(a)
     stop = utcnow().timestamp() if now is None else now
     exposure = sum(max(0.0, end.get(a, stop) - t) for a, t in spawn.items())
+    costs = [c for a in sorted(stalls.keys() | commits.keys()) for c in stalls.get(a, commits[a])]
     return History(exposure, len(hit), tuple(costs))
 
 

@@ -92,6 +92,33 @@ def test_history_from_synthetic_events(tmp_path: Path, monkeypatch: pytest.Monke
         iv.from_history(str(root))
 
 
+def test_an_async_save_costs_the_training_its_stall_not_its_time_to_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """δ of Young/Daly is what a save costs the training loop.  For an ``async_save``
+    that is its snapshot stall (the library's ``save`` event), not the 2 s from its start
+    to its commit that the manifest records: the history took the manifest's figure, so
+    ``ckrun status`` and the first interval of each attempt suggested checkpointing
+    about sqrt(2.0 / 0.05) = 6x too rarely.  An attempt without save events (a script
+    with its own checkpoints) still counts its commits."""
+    monkeypatch.delenv("CKRUN_MTBI_S", raising=False)
+    lines = [
+        _ev("spawn", 0, 0),
+        _ev("save", 0, 100, step=100, seconds=0.05, mode="async"),
+        _ev("save", 0, 200, step=200, seconds=0.07, mode="async"),
+        _ev("notice", 0, 3000),
+        _ev("save", 0, 3001, step=250, seconds=0.5, mode="sync"),
+        _ev("attempt_end", 0, 3010, commits=[{"step": s, "save_s": 2.0} for s in (100, 200, 250)]),
+        _ev("spawn", 1, 3020),
+        _ev("attempt_end", 1, 6020, commits=[{"step": 300, "save_s": 4.0}]),
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    h = iv.read_history(str(tmp_path / "events.jsonl"))
+    assert h.save_costs_s == (0.05, 0.07, 0.5, 4.0)
+    est = iv.from_history(str(tmp_path))
+    assert est.save_cost_s == pytest.approx((0.07 + 0.5) / 2)  # the median
+
+
 def test_no_history_uses_the_prior_and_bounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
