@@ -138,7 +138,7 @@ def read_history(events_path: str, now: float | None = None) -> History:
             hit.add(a)
     stop = utcnow().timestamp() if now is None else now
     exposure = sum(max(0.0, end.get(a, stop) - t) for a, t in spawn.items())
-    costs = [c for a in sorted(stalls.keys() | commits.keys()) for c in stalls.get(a, commits[a])]
+    costs = [c for a in sorted(stalls.keys() | commits.keys()) for c in stalls.get(a) or commits[a]]
     return History(exposure, len(hit), tuple(costs))
 
 

@@ -111,12 +111,14 @@ def test_an_async_save_costs_the_training_its_stall_not_its_time_to_durable(
         _ev("attempt_end", 0, 3010, commits=[{"step": s, "save_s": 2.0} for s in (100, 200, 250)]),
         _ev("spawn", 1, 3020),
         _ev("attempt_end", 1, 6020, commits=[{"step": 300, "save_s": 4.0}]),
+        _ev("spawn", 2, 6030),  # still running (or killed): its saves count already
+        _ev("save", 2, 6100, step=310, seconds=0.06, mode="async"),
     ]
     (tmp_path / "events.jsonl").write_text("".join(lines))
     h = iv.read_history(str(tmp_path / "events.jsonl"))
-    assert h.save_costs_s == (0.05, 0.07, 0.5, 4.0)
+    assert h.save_costs_s == (0.05, 0.07, 0.5, 4.0, 0.06)
     est = iv.from_history(str(tmp_path))
-    assert est.save_cost_s == pytest.approx((0.07 + 0.5) / 2)  # the median
+    assert est.save_cost_s == pytest.approx(0.07)  # the median
 
 
 def test_no_history_uses_the_prior_and_bounds(
