@@ -19,28 +19,35 @@ reaches it: Ctrl-C, a hang-up), ignores the termination signals a batch system s
 every process of a job, holds no descriptor but its pipes and the consoles, and exits
 when the last writer (the child's whole tree) closed them.
 
-* A console that is a terminal is relayed through a pseudo-terminal (``openpty``, with
-  the terminal's window size): the child still sees a tty (line-buffered Python output,
-  colours, progress bars).  The pty is not the child's controlling terminal (it is
-  opened by the supervisor and only inherited), so terminal signals still reach only the
-  supervisor.  The pty passes bytes unprocessed (``OPOST`` off): the console's own
-  terminal does the output processing, once.
-* A pipe or socket is relayed through a pipe: the child sees a pipe, as before.
-* Anything else (a regular file, ``/dev/null``, a closed descriptor) cannot go away and
-  is passed to the child unchanged, with no copying.
+* A console that is a terminal (or one that already hung up) is relayed through a
+  pseudo-terminal (``openpty``, with the terminal's window size): the child still sees a
+  tty (line-buffered Python output, colours, progress bars).  The supervisor opens the
+  pty and the child only inherits it, so it is not the child's controlling terminal and
+  terminal signals still reach only the supervisor (a child that makes it its
+  controlling terminal on purpose, ``TIOCSCTTY``, is on its own).  The pty passes bytes
+  unprocessed (``OPOST`` off): the console's own terminal does the output processing,
+  once.
+* A pipe is relayed through a pipe: the child sees a pipe, as before.
+* Anything else (a regular file, ``/dev/null``, a socket — journald's stream, which
+  outlives the service and which ``JOURNAL_STREAM`` names —, a closed descriptor) is
+  passed to the child unchanged, with no copying.
+* stdout and stderr on the same console (``2>&1``, one terminal) share one channel, so
+  their lines keep the order the child wrote them in.
 
+The relay confirms that it runs, with its signals ignored, before the child starts; a
+relay that cannot start leaves the child on the consoles themselves, as before (logged).
 Window-size changes after the start are not forwarded (``SIGWINCH``).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import select
 import stat
 import struct
-import subprocess
 import sys
 import termios
 import time
@@ -51,19 +58,28 @@ log = logging.getLogger(__name__)
 
 #: The console streams relayed: stdout and stderr.
 RELAYED = (1, 2)
-_CHUNK = 1 << 16
+#: Seconds :meth:`OutputRelay.start` waits for the relay's "running" byte.
+START_TIMEOUT_S = 10.0
 
 
 def _kind(fd: int) -> str | None:
-    """``pty`` for a terminal, ``pipe`` for a pipe or socket, None for anything else."""
+    """``pty`` for a terminal (or a terminal that hung up: it answers ``EIO``), ``pipe``
+    for a pipe, None for anything else (module docstring)."""
     try:
         mode = os.fstat(fd).st_mode
     except OSError:
         return None
+    if stat.S_ISFIFO(mode):
+        return "pipe"
+    if not stat.S_ISCHR(mode):
+        return None
     if os.isatty(fd):
         return "pty"
-    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-        return "pipe"
+    try:
+        termios.tcgetattr(fd)
+    except termios.error as e:
+        if e.args and e.args[0] == errno.EIO:  # a terminal whose other side is gone
+            return "pty"
     return None
 
 
@@ -88,22 +104,30 @@ def _open(kind: str, console: int) -> tuple[int, int]:
     return master, slave
 
 
-#: The relay process: ``argv[1]`` = ``READ:CONSOLE,...`` descriptor pairs.  It ignores
-#: the signals that would end it before its writers are gone (SIGTTOU too: a write to a
-#: terminal with ``tostop`` set would stop it); SIGPIPE is ignored by Python already.
+#: The relay process: ``argv[1]`` = ``READ:CONSOLE,...`` descriptor pairs, ``argv[2]``
+#: the descriptor that says "running" (one byte, once the signals are ignored) and
+#: closes at its exit.  It ignores the signals that would end it before its writers are
+#: gone (SIGTTOU too: a write to a terminal with ``tostop`` set would stop it); SIGPIPE
+#: is ignored by Python already.  A console is dropped only when it is gone (EPIPE,
+#: EIO, EBADF...); one that is merely full (EAGAIN, a non-blocking console) is waited for.
 _RELAY = """
-import os, select, signal, sys
+import errno, os, select, signal, sys
 for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGTTOU", "SIGUSR1", "SIGUSR2"):
     signal.signal(getattr(signal, s), signal.SIG_IGN)
 pairs = dict(tuple(map(int, p.split(":"))) for p in sys.argv[1].split(","))
+os.write(int(sys.argv[2]), b"r")
 writing = set(pairs.values())
+poll = select.poll()
+for r in pairs:
+    poll.register(r, select.POLLIN)
 while pairs:
-    for r in select.select(list(pairs), [], [])[0]:
+    for r, _ in poll.poll():
         try:
             data = os.read(r, 65536)
         except OSError:  # EIO: a pty whose last writer closed
             data = b""
         if not data:
+            poll.unregister(r)
             os.close(r)
             del pairs[r]
             continue
@@ -111,6 +135,10 @@ while pairs:
         while console in writing and view:
             try:
                 view = view[os.write(console, view):]
+            except BlockingIOError:
+                out = select.poll()
+                out.register(console, select.POLLOUT)
+                out.poll()
             except OSError:  # the console went away: keep reading, stop writing
                 writing.discard(console)
 """
@@ -127,22 +155,28 @@ class OutputRelay:
     Attributes:
         child_fds: per stream in :data:`RELAYED`, the descriptor the child gets (None:
             it inherits the console, which is not relayed).
-        pid: the relay process, once started.
+        pid: the relay process, once started (reaped with the supervisor's children).
     """
 
     def __init__(self) -> None:
         self.child_fds: list[int | None] = []
         self._pairs: list[tuple[int, int]] = []  # (read end, console)
         self._done: int | None = None  # EOF once the relay process exited
-        self._proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
+        same: dict[tuple[int, int], int] = {}  # console (dev, ino) -> child's end
         try:
             for console in RELAYED:
                 kind = _kind(console)
                 if kind is None:
                     self.child_fds.append(None)
                     continue
+                st = os.fstat(console)
+                shared = same.get((st.st_dev, st.st_ino))
+                if shared is not None:  # 2>&1: one channel keeps the child's order
+                    self.child_fds.append(shared)
+                    continue
                 read_end, child_end = _open(kind, console)
+                same[(st.st_dev, st.st_ino)] = child_end
                 self.child_fds.append(child_end)
                 self._pairs.append((read_end, console))
         except OSError:
@@ -156,41 +190,44 @@ class OutputRelay:
         return self.pid is not None or bool(self._pairs)
 
     def start(self) -> None:
-        """Start the relay process, which takes the read ends over (closed here).
+        """Start the relay process and wait (at most :data:`START_TIMEOUT_S`) until it
+        runs with its signals ignored; it then holds the read ends (closed here).
 
         Raises:
-            OSError: it cannot start; every descriptor is closed and :attr:`child_fds`
-                is all None (the child then inherits the consoles).
+            OSError: it did not start; every descriptor is closed, the relay killed if
+                it exists, and :attr:`child_fds` is all None (the child then inherits
+                the consoles).
         """
         if not self._pairs:
             return
         done_r, done_w = os.pipe()
+        passed = [r for r, _ in self._pairs] + [done_w]
+        pid: int | None = None
         try:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-I",
-                    "-S",
-                    "-c",
-                    _RELAY,
-                    ",".join(f"{r}:{c}" for r, c in self._pairs),
-                ],  # fmt: skip
-                stdin=subprocess.DEVNULL,
-                pass_fds=[r for r, _ in self._pairs] + [done_w],
-                start_new_session=True,
-            )
+            for fd in passed:
+                os.set_inheritable(fd, True)
+            argv = [sys.executable, "-I", "-S", "-c", _RELAY,
+                    ",".join(f"{r}:{c}" for r, c in self._pairs), str(done_w)]  # fmt: skip
+            pid = os.posix_spawn(sys.executable, argv, dict(os.environ), setsid=True)
+            os.close(done_w)
+            done_w = -1
+            if not _readable(done_r, START_TIMEOUT_S) or os.read(done_r, 1) != b"r":
+                raise OSError(errno.ECHILD, "the relay process did not start")
         except BaseException:
+            if pid is not None:
+                _kill(pid)
             os.close(done_r)
             self.release()
             raise
         finally:
-            os.close(done_w)
+            if done_w >= 0:
+                os.close(done_w)
             self._close_read_ends()
-        self._proc, self.pid, self._done = proc, proc.pid, done_r
+        self.pid, self._done = pid, done_r
 
     def release(self) -> None:
         """Close this process's copies of the child's ends (after the spawn)."""
-        for fd in self.child_fds:
+        for fd in set(self.child_fds):
             if fd is not None:
                 os.close(fd)
         self.child_fds = [None] * len(self.child_fds)
@@ -200,27 +237,39 @@ class OutputRelay:
             os.close(read_end)
         self._pairs = []
 
-    def join(self, timeout_s: float = 2.0) -> None:
+    def join(self, timeout_s: float = 1.0) -> None:
         """Wait at most ``timeout_s`` seconds for the relay to copy the child's last
         output and exit (every writer gone); a stray that keeps a descriptor open is not
-        waited for (the relay goes on copying until it closes it)."""
+        waited for longer (the relay goes on copying until it closes it).  The relay's
+        exit status is collected by the supervisor's ``reap``."""
         if self._done is None:
             return
         deadline = time.monotonic() + timeout_s
         try:
-            while (left := deadline - time.monotonic()) > 0:
-                if select.select([self._done], [], [], left)[0]:
-                    if not os.read(self._done, 1):
-                        break
-            else:
-                return
-            if self._proc is not None:  # exited (or exiting): collect its status
-                self._proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+            while _readable(self._done, deadline - time.monotonic()):
+                if not os.read(self._done, 1):
+                    return
         finally:
             os.close(self._done)
             self._done = None
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """True once ``fd`` is readable (data or EOF) within ``timeout_s`` seconds."""
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return bool(poll.poll(max(0, int(timeout_s * 1000))))
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL a relay that did not confirm its start, and reap it."""
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
 
 
 def start_relay() -> OutputRelay | None:

@@ -507,6 +507,30 @@ def test_the_relayed_output_ends_before_the_verdict(tmp_path: Path) -> None:
     assert out.index(b"last line") < end, out[-300:]
 
 
+def test_stdout_and_stderr_on_one_console_keep_their_order(tmp_path: Path) -> None:
+    """`ckrun submit train.py 2>&1 | tee log`: stdout and stderr are one pipe, and the
+    log must keep the order the script wrote its lines in (a traceback after the last
+    progress line, tqdm's stderr between prints).  Two channels relayed side by side
+    reordered them; one shared channel cannot."""
+    prog = (
+        "import sys\n"
+        "for i in range(400):\n"
+        "    print(i, file=sys.stderr if i % 2 else sys.stdout, flush=True)\n"
+    )
+    r = subprocess.run(
+        [PY, "-m", "ckrun.cli", "run", "--run", "mix", "--storage", "runs", "--", PY, "-c", prog],
+        cwd=tmp_path,
+        env=dict(os.environ, **FAST_ENV),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stdout[-2000:]
+    numbers = [int(x) for x in r.stdout.splitlines() if x.isdigit()]
+    assert numbers == list(range(400)), r.stdout[:2000]
+
+
 @pytest.mark.slow
 def test_a_hung_up_terminal_keeps_the_work_since_the_last_checkpoint(tmp_path: Path) -> None:
     """An SSH session that drops under a foreground `ckrun submit`: the terminal hangs

@@ -152,7 +152,7 @@ def test_as_pid1_in_a_pid_namespace() -> None:
 
 
 RELAY_EDGES = textwrap.dedent("""
-    import json, os, time
+    import json, os, sys, time
     from ckrun.supervisor import process, relay
     def open_fds():
         out = set()
@@ -167,27 +167,31 @@ RELAY_EDGES = textwrap.dedent("""
         process.spawn(["/nonexistent/cmd"], os.environ)
     except OSError:
         pass
-    try:  # the relay exited and was reaped: this process has no child left
-        relay_exited = os.waitpid(-1, os.WNOHANG) is None
-    except ChildProcessError:
-        relay_exited = True
-    leaked = open_fds() != fds
-    def refuse(*a, **k):
-        raise OSError(24, "Too many open files")
-    relay.subprocess.Popen = refuse  # the relay cannot start: the console is inherited
-    c = process.spawn(["sh", "-c", "echo straight to the console"], os.environ)
-    while not process.reap():
+    reaped, end = {}, time.monotonic() + 10
+    while not reaped and time.monotonic() < end:
+        reaped = process.reap()
         time.sleep(0.01)
-    print(json.dumps({"relay_exited": relay_exited, "leaked": leaked,
-                      "unrelayed": c.relay is None,
+    try:
+        os.waitpid(-1, os.WNOHANG)
+        no_child_left = False
+    except ChildProcessError:
+        no_child_left = True
+    leaked = open_fds() != fds
+    sys.executable = "/bin/false"  # a relay that exits before it runs: no handshake
+    c = process.spawn(["sh", "-c", "echo straight to the console"], os.environ)
+    while c.pid not in process.reap():
+        time.sleep(0.01)
+    print(json.dumps({"relay_exited": len(reaped) == 1 and no_child_left,
+                      "leaked": leaked, "unrelayed": c.relay is None,
                       "fds_after": open_fds() == fds}))
 """)
 
 
 def test_the_relay_never_blocks_a_start() -> None:
     """A command that cannot start leaves no relay process and no descriptor behind; a
-    relay that cannot start (no file descriptors left) leaves the command writing to
-    the console itself, as before the relay existed."""
+    relay that does not confirm it runs (here its interpreter exits at once) leaves the
+    command writing to the console itself, as before the relay existed: its first
+    print would otherwise have hit a pipe nobody reads."""
     out = subprocess.run(
         [sys.executable, "-c", RELAY_EDGES], capture_output=True, text=True, timeout=60
     )
@@ -197,3 +201,32 @@ def test_the_relay_never_blocks_a_start() -> None:
     res = json.loads(lines[-1])
     assert res == {"relay_exited": True, "leaked": False, "unrelayed": True, "fds_after": True}
     assert "output is not relayed (" in out.stderr, out.stderr  # said, with the reason
+
+
+def test_a_terminal_that_hung_up_is_still_relayed() -> None:
+    """After an SSH session drops, the supervisor's terminal answers EIO and isatty() is
+    False; a later attempt given that terminal would die on its first print.  It is
+    still relayed (and so are pipes); files and sockets are not."""
+    import pty
+    import socket
+
+    from ckrun.supervisor.relay import _kind
+
+    master, slave = pty.openpty()
+    assert _kind(slave) == "pty"
+    os.close(master)  # the other side hangs up
+    try:
+        assert _kind(slave) == "pty"
+    finally:
+        os.close(slave)
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    try:
+        assert _kind(w) == "pipe" and _kind(a.fileno()) is None
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
+    with open(os.devnull, "wb") as f:
+        assert _kind(f.fileno()) is None
