@@ -483,18 +483,23 @@ def test_the_script_sees_a_terminal_and_its_streams_stay_apart(tmp_path: Path) -
     assert "err-line" in (tmp_path / "stderr.txt").read_text()
 
 
-def test_the_relayed_output_ends_before_the_verdict(tmp_path: Path) -> None:
-    """The supervisor waits until the relay copied the child's last bytes (the child's
-    session is empty) before it prints the attempt's end.  The console here reads late,
-    so when the child exits, the end of its output is still in the pipes."""
-    prog = "import sys\nsys.stdout.write('x' * 2000000 + '\\nlast line\\n')\n"
-    sup = subprocess.Popen(
-        [PY, "-m", "ckrun.cli", "run", "--run", "ord", "--storage", "runs", "--", PY, "-c", prog],
+def _run_merged(tmp_path: Path, run: str, prog: str) -> subprocess.Popen[bytes]:
+    """`ckrun run -- python -c PROG` with stdout and stderr on one pipe (`2>&1 | tee`)."""
+    return subprocess.Popen(
+        [PY, "-m", "ckrun.cli", "run", "--run", run, "--storage", "runs", "--", PY, "-c", prog],
         cwd=tmp_path,
         env=dict(os.environ, **FAST_ENV),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+
+def test_the_relayed_output_ends_before_the_verdict(tmp_path: Path) -> None:
+    """The supervisor waits until the relay copied the child's last bytes (the child's
+    session is empty) before it prints the attempt's end.  The console here reads late,
+    so when the child exits, the end of its output is still in the pipes."""
+    prog = "import sys\nsys.stdout.write('x' * 2000000 + '\\nlast line\\n')\n"
+    sup = _run_merged(tmp_path, "ord", prog)
     assert sup.stdout is not None
     time.sleep(1.0)  # the pipes fill: the child waits for the console
     out = b""
@@ -517,18 +522,11 @@ def test_stdout_and_stderr_on_one_console_keep_their_order(tmp_path: Path) -> No
         "for i in range(400):\n"
         "    print(i, file=sys.stderr if i % 2 else sys.stdout, flush=True)\n"
     )
-    r = subprocess.run(
-        [PY, "-m", "ckrun.cli", "run", "--run", "mix", "--storage", "runs", "--", PY, "-c", prog],
-        cwd=tmp_path,
-        env=dict(os.environ, **FAST_ENV),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stdout[-2000:]
-    numbers = [int(x) for x in r.stdout.splitlines() if x.isdigit()]
-    assert numbers == list(range(400)), r.stdout[:2000]
+    sup = _run_merged(tmp_path, "mix", prog)
+    out = sup.communicate(timeout=60)[0].decode()
+    assert sup.returncode == 0, out[-2000:]
+    numbers = [int(x) for x in out.splitlines() if x.isdigit()]
+    assert numbers == list(range(400)), out[:2000]
 
 
 @pytest.mark.slow
