@@ -110,6 +110,8 @@ def _state(rd: RunDir, h: History, events: list[dict[str, Any]], live: bool) -> 
         return "DRAINING" if any(e.get("kind") == "notice" for e in tail) else "RUNNING"
     if supervisor_died(events):
         return "SUPERVISOR_DIED"
+    if h.final_state == "ALREADY_COMPLETE":  # a re-submit found it done: still done
+        return "COMPLETED"
     if h.final_state is not None:
         return str(h.final_state)
     return "SUBMITTED" if h.submitted is not None else "NEW"

@@ -151,3 +151,13 @@ def test_a_save_made_after_the_supervisor_was_killed_is_not_counted_lost(tmp_pat
     a = st["attempt_detail"][-1]
     assert a["saved_step"] == 25 and a["lost_s"] == 0, a
     assert st["overheads_s"]["lost"] == 0 and st["productive_s"] == pytest.approx(7.0)
+
+
+def test_a_resubmitted_complete_run_stays_completed(tmp_path: Path) -> None:
+    """`ckrun submit` of a run that is already complete starts nothing and exits 0 (its
+    supervisor ends ALREADY_COMPLETE); `ckrun status` and `ckrun runs` said the run's
+    state was ALREADY_COMPLETE from then on (and the runs table lost its alignment).
+    The run is COMPLETED; the re-submit changed nothing."""
+    rd = five_of_three_hundred().write(tmp_path, "ALREADY_COMPLETE", 0)
+    s = runstatus.summarize(rd)
+    assert s["state"] == "COMPLETED"
