@@ -52,6 +52,8 @@ import sys
 import termios
 import time
 
+from ckrun import procs
+
 __all__ = ["RELAYED", "OutputRelay", "start_relay"]
 
 log = logging.getLogger(__name__)
@@ -208,7 +210,7 @@ class OutputRelay:
                 os.set_inheritable(fd, True)
             argv = [sys.executable, "-I", "-S", "-c", _RELAY,
                     ",".join(f"{r}:{c}" for r, c in self._pairs), str(done_w)]  # fmt: skip
-            pid = os.posix_spawn(sys.executable, argv, dict(os.environ), setsid=True)
+            pid = procs.spawn_session(argv, os.environ)  # a session of its own
             os.close(done_w)
             done_w = -1
             if not _readable(done_r, START_TIMEOUT_S) or os.read(done_r, 1) != b"r":
