@@ -46,6 +46,7 @@ import fcntl
 import logging
 import os
 import select
+import signal
 import stat
 import struct
 import sys
@@ -113,7 +114,7 @@ def _open(kind: str, console: int) -> tuple[int, int]:
 #: is ignored by Python already.  A console is dropped only when it is gone (EPIPE,
 #: EIO, EBADF...); one that is merely full (EAGAIN, a non-blocking console) is waited for.
 _RELAY = """
-import errno, os, select, signal, sys
+import os, select, signal, sys
 for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGTTOU", "SIGUSR1", "SIGUSR2"):
     signal.signal(getattr(signal, s), signal.SIG_IGN)
 pairs = dict(tuple(map(int, p.split(":"))) for p in sys.argv[1].split(","))
@@ -265,8 +266,6 @@ def _readable(fd: int, timeout_s: float) -> bool:
 
 def _kill(pid: int) -> None:
     """SIGKILL a relay that did not confirm its start, and reap it."""
-    import signal
-
     try:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
