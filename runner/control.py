@@ -22,7 +22,9 @@ first training step rather than from its spawn (``--chaos-preempt-every``), and 
 :mod:`ckrun.runlog`).
 
 A SIGTERM that arrives after :func:`write_escalation` (the supervisor's "time is up")
-is not swallowed: the default action is restored and the signal re-raised.
+is not swallowed: the default action is restored and the signal re-raised.  Before it
+is, the process writes where each of its threads was (:func:`dump_stacks`, to fd 2), so
+a save that hangs past the grace period names the line it hangs on in the job's log.
 
 Exit reasons (issue 11 item 8): before the library ends the process for one of ckrun's
 reasons it writes an exit-reason record (:func:`ckrun.control_files.write_exit_reason`;
@@ -49,6 +51,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from types import FrameType
 
@@ -78,8 +81,8 @@ from ckrun.storage.fsutil import write_json_atomic
 __all__ = [
     "ESCALATE_FILE", "EXIT_REASONS", "EXIT_REASON_BYTES", "EXIT_REASON_FILE",
     "LIVENESS_INTERVAL_S", "NOTICE_FILE", "PEER_NOTICE_FILE", "TRAINING_FILE",
-    "add_check_hook", "clear", "control_dir", "install_signal_handlers", "mark_training",
-    "notice_signal", "preemption_requested", "read_exit_reason", "read_notice",
+    "add_check_hook", "clear", "control_dir", "dump_stacks", "install_signal_handlers",
+    "mark_training", "notice_signal", "preemption_requested", "read_exit_reason", "read_notice",
     "received_signals", "record_notice_save", "reserve_exit_reason", "reset_for_tests",
     "supervisor_gone", "take_peer_notice", "training_started", "write_escalation",
     "write_exit_reason", "write_notice", "write_peer_notice",
@@ -196,9 +199,39 @@ def _shield_from_dataloader_workers() -> None:
             pass
 
 
+def dump_stacks(frame: FrameType | None, fd: int = 2) -> None:
+    """Write every thread's Python stack to ``fd`` (the supervisor's grace period is
+    over and the process has not exited).  ``frame`` is the main thread's interrupted
+    frame (a signal handler's argument).
+
+    Safe inside a signal handler: no lock of :mod:`threading` is taken and the text goes
+    to the descriptor with ``os.write``, not through ``sys.stderr`` (whose buffer the
+    interrupted code may hold).  Best effort: an error writing it is ignored.
+    """
+    try:
+        main = threading.main_thread().ident
+        names = {i: t.name for i, t in dict(getattr(threading, "_active", {})).items()}
+        out = [
+            f"ckrun: pid {os.getpid()} did not exit within the supervisor's grace period; "
+            "where each thread was (most recent call last):\n"
+        ]
+        for ident, f in sys._current_frames().items():
+            at = frame if ident == main and frame is not None else f
+            out.append(
+                f"  thread {names.get(ident, ident)!r}{' (main)' if ident == main else ''}:\n"
+            )
+            out.extend(traceback.format_stack(at))
+        data = "".join(out).encode(errors="replace")
+        while data:
+            data = data[os.write(fd, data) :]
+    except Exception:  # noqa: BLE001 - a diagnostic must not keep the process alive
+        pass
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
     cdir = control_dir()
     if signum == signal.SIGTERM and cdir and os.path.exists(os.path.join(cdir, ESCALATE_FILE)):
+        dump_stacks(frame)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return

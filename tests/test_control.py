@@ -69,6 +69,36 @@ def test_sigterm_after_escalation_is_fatal(tmp_path: Path) -> None:
     assert p.returncode == -signal.SIGTERM
 
 
+STUCK = r"""
+import os, sys, threading, time, ckrun
+ckrun.install_signal_handlers()
+def stuck_in_save():  # a save that never returns (a dead mount, a lost collective)
+    threading.Event().wait()
+print("ready", flush=True)
+while not ckrun.preemption_requested():
+    time.sleep(0.005)
+print("saving", flush=True)
+stuck_in_save()
+"""
+
+
+def test_a_process_past_the_grace_period_says_where_it_hangs(tmp_path: Path) -> None:
+    env = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path / "control"))
+    (tmp_path / "stuck.py").write_text(STUCK)
+    p = subprocess.Popen([sys.executable, str(tmp_path / "stuck.py")], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGUSR1)  # the notice: the flag is set, the "save" hangs
+    assert p.stdout.readline().strip() == "saving"
+    control.write_escalation(str(tmp_path / "control"))
+    p.send_signal(signal.SIGTERM)  # the grace period is over
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == -signal.SIGTERM
+    assert f"pid {p.pid} did not exit within the supervisor's grace period" in err
+    main = err.split("(main):")[1]
+    assert 'stuck.py", line 5, in stuck_in_save\n    threading.Event().wait()' in main, err
+
+
 def test_no_handlers_outside_supervisor() -> None:
     code = (
         "import ckrun, signal; ckrun.preemption_requested(); "

@@ -33,6 +33,7 @@ class AttemptChild:
         self.current: Child | None = None
         self.notified: set[int] = set()
         self._delivered: list[int] | None = None
+        self._waits: list[str] | None = None
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], *, track_tree: bool) -> Child:
         """Start ``argv`` as leader of a new session (:meth:`ProcessTable.spawn`).
@@ -63,6 +64,19 @@ class AttemptChild:
         """The pids of the last delivery not yet reported (once), else None."""
         sent, self._delivered = self._delivered, None
         return sent
+
+    def escalate(self) -> None:
+        """The grace period is over: note where the child's processes are
+        (:meth:`ProcessTable.waits`, reported once by :meth:`take_waits`), then send
+        SIGTERM to its session (nothing without a child)."""
+        if self.current is not None:
+            self._waits = self.procs.waits(self.current)
+            self.procs.signal_session(self.current, signal.SIGTERM)
+
+    def take_waits(self) -> list[str] | None:
+        """Where the processes were at the last escalation, not yet reported (once)."""
+        waits, self._waits = self._waits, None
+        return waits
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the child's session (nothing without a child)."""

@@ -308,7 +308,7 @@ class Supervisor:
             kid.signal(a.sig)
         elif isinstance(a, sm.Escalate) and kid.current is not None:
             self._try("write the escalation mark", write_escalation, self.rundir.control_dir)
-            kid.signal(signal.SIGTERM)
+            kid.escalate()
         elif isinstance(a, sm.Kill):
             kid.signal(signal.SIGKILL)
         elif isinstance(a, sm.Persist):
@@ -333,6 +333,10 @@ class Supervisor:
         if sent is not None:
             fields["signalled_pids"] = sent
             msg += f", {self._notice_sig().name} to {len(sent)} process(es)"
+        waits = self.kid.take_waits() if a.kind == "escalate" else None
+        if waits:  # a thread in D: a storage stall; all in S futex: a lock or a thread
+            fields["waits"] = waits
+            msg += "; where its processes were: " + "; ".join(waits)
         self.say(msg)
         step = fields.pop("step", None)
         seconds = fields.pop("seconds", None)

@@ -256,6 +256,8 @@ def preempted(
         f"checkpoint step {step_} {save}child gone {took:.1f} s after the notice"
         if progress
         else f"no new checkpoint (last step {s.base_step})"
+        if s.base_step is not None
+        else "no checkpoint yet"
     )
     fields = {
         "step": step_ if progress else s.base_step,

@@ -65,6 +65,10 @@ class ProcessTable(Protocol):
         """Send ``sig`` to every member of ``child``'s session, once each."""
         ...
 
+    def waits(self, child: Child) -> list[str]:
+        """Where each member is: its threads' states and wait channels, one line each."""
+        ...
+
 
 class MonotonicClock:
     """``time.monotonic()`` and ``select``."""
@@ -111,3 +115,7 @@ class OsProcessTable:
     def signal_session(self, child: Child, sig: int) -> None:
         """:func:`ckrun.supervisor.process.signal_session`."""
         process.signal_session(child, sig)
+
+    def waits(self, child: Child) -> list[str]:
+        """:func:`ckrun.supervisor.process.waits`."""
+        return process.waits(child)

@@ -240,6 +240,53 @@ def _pgrp(pid: int) -> int | None:
     return st[1] if st is not None else None
 
 
+def _task_wait(pid: int, tid: str) -> tuple[str, str, str] | None:
+    """(comm, state letter, kernel wait channel) of thread ``tid`` of ``pid``, or None."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            raw = f.read()
+        with open(f"/proc/{pid}/task/{tid}/wchan", "rb") as f:
+            wchan = f.read().decode(errors="replace").strip()
+    except OSError:
+        return None
+    comm = raw[raw.find(b"(") + 1 : raw.rfind(b")")].decode(errors="replace")
+    state = raw[raw.rfind(b")") + 2 :][:1].decode(errors="replace")
+    return comm, state, "" if wchan in ("", "0") else wchan
+
+
+def waits(child: Child) -> list[str]:
+    """Where each live process of ``child``'s launch is, from ``/proc`` (proc(5)): its
+    threads grouped by state and kernel wait channel, e.g. ``"pid 812 (python3):
+    1 thread D jbd2_log_wait_commit, 2 threads S futex_do_wait"``.  A thread in ``D``
+    (uninterruptible: disk or network file system I/O) names a storage stall; a process
+    whose threads all sleep in ``S futex`` waits on a lock or another thread.
+
+    Returns:
+        One line per process (empty without ``/proc``).
+    """
+    out = []
+    for pid in members(child):
+        try:
+            tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+        except OSError:
+            continue
+        comm, groups = "?", dict[tuple[str, str], int]()
+        for tid in tids:
+            w = _task_wait(pid, tid)
+            if w is None:
+                continue
+            if tid == str(pid):
+                comm = w[0]
+            groups[w[1:]] = groups.get(w[1:], 0) + 1
+        parts = [
+            f"{n} thread{'s' if n > 1 else ''} {st}{' ' + wc if wc else ''}"
+            for (st, wc), n in sorted(groups.items(), key=lambda kv: (kv[0][0] != "D", kv[0]))
+        ]
+        if parts:
+            out.append(f"pid {pid} ({comm}): {', '.join(parts)}")
+    return out
+
+
 def session_alive(child: Child) -> bool:
     """True while any non-zombie process of ``child``'s session exists."""
     if os.path.isdir("/proc/self"):

@@ -136,6 +136,9 @@ class FakeProcesses:
             if f.script.strays_die_on_term:
                 f.strays_made, f.strays_alive = True, []
 
+    def waits(self, child: Child) -> list[str]:
+        return []  # a fake process has no threads to describe
+
     def sent(self, n: int = -1) -> list[tuple[float, str]]:
         """``(time since the start of child n, signal name)`` of child n's signals."""
         f = self.children[n]
