@@ -33,6 +33,10 @@ reasons it writes an exit-reason record (:func:`ckrun.control_files.write_exit_r
 Under a supervisor, ``import ckrun`` already catches the notice signal (only it): the
 process counts as one that handles notices while it still imports torch.
 
+Once a notice has reached the process, no writer probe runs in it
+(:func:`ckrun.storage.probe.defer_probes`): the emergency save writes its checkpoint,
+not 144 MiB of throughput probe first.
+
 Supervisor liveness (issue 11 item 2): the supervisor's children get
 ``PR_SET_PDEATHSIG`` (SIGTERM) at spawn, the library sets it again in its own process at
 first use (a torchrun worker or a script under a shell wrapper then follows its parent),
@@ -76,6 +80,7 @@ from ckrun.control_files import (
 )
 from ckrun.notices import Notice
 from ckrun.procs import set_parent_death_signal
+from ckrun.storage import probe
 from ckrun.storage.fsutil import write_json_atomic
 
 __all__ = [
@@ -228,6 +233,14 @@ def dump_stacks(frame: FrameType | None, fd: int = 2) -> None:
         pass
 
 
+def _notice_reached() -> None:
+    """Set the preemption flag; from now on no writer probe runs in this process (its
+    144 MiB of writes would come out of the emergency save's deadline,
+    :func:`ckrun.storage.probe.defer_probes`).  Safe in a signal handler."""
+    _flag.set()
+    probe.defer_probes("a preemption notice is pending")
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
     cdir = control_dir()
     if signum == signal.SIGTERM and cdir and os.path.exists(os.path.join(cdir, ESCALATE_FILE)):
@@ -236,7 +249,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         return
     _received.append(signum)
-    _flag.set()
+    _notice_reached()
     _shield_from_dataloader_workers()
 
 
@@ -318,14 +331,14 @@ def _local_flag() -> bool:
                 file=sys.stderr,
                 flush=True,
             )
-            _flag.set()
+            _notice_reached()
             return True
     if _drill_due():
-        _flag.set()
+        _notice_reached()
         return True
     cdir = control_dir()
     if cdir and os.path.exists(os.path.join(cdir, NOTICE_FILE)):
-        _flag.set()
+        _notice_reached()
         _shield_from_dataloader_workers()
         return True
     return False
@@ -359,7 +372,7 @@ def preemption_requested(sync: bool = False) -> bool:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     agreed = bool(int(t.item()))
     if agreed:
-        _flag.set()
+        _notice_reached()
         if not local:
             write_peer_notice()
     return agreed

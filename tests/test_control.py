@@ -99,6 +99,26 @@ def test_a_process_past_the_grace_period_says_where_it_hangs(tmp_path: Path) -> 
     assert 'stuck.py", line 5, in stuck_in_save\n    threading.Event().wait()' in main, err
 
 
+def test_a_notice_defers_the_writer_probe(tmp_path: Path) -> None:
+    """The first save of a fresh machine is often the emergency one: it must not first
+    write the probe's 144 MiB (a slow volume: longer than the save itself)."""
+    code = (
+        "import os, signal, time, ckrun\n"
+        "from ckrun.storage.local import LocalStorage\n"
+        "ckrun.install_signal_handlers()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "while not ckrun.preemption_requested(): time.sleep(0.01)\n"
+        "print(LocalStorage(os.environ['RUN_ROOT']).writer_choice().source)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CKRUN_WRITER"}
+    env.update(CKRUN_CONTROL_DIR=str(tmp_path / "control"), RUN_ROOT=str(tmp_path / "run"),
+               CKRUN_CACHE_DIR=str(tmp_path / "cache"))  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "deferred" and not (tmp_path / "cache").exists()
+
+
 def test_no_handlers_outside_supervisor() -> None:
     code = (
         "import ckrun, signal; ckrun.preemption_requested(); "

@@ -85,19 +85,28 @@ class LocalStorage:
     def _path(self, key: str) -> str:
         return object_path(self.root, key)
 
-    def writer_choice(self) -> probe.WriterChoice:
+    def writer_choice(self, *, may_probe: bool = True) -> probe.WriterChoice:
         """The streaming writer of this location (:mod:`ckrun.storage.probe`: the
         ``CKRUN_WRITER`` override, a remembered probe, or a new probe).  With
         ``direct=False``, or where ``O_DIRECT`` is refused, always write-behind.
+
+        Args:
+            may_probe: False where the answer does not pay for a probe (a small
+                object): an unprobed location then gets ``direct:1`` for this call
+                (source ``deferred``, asked again next time), as after a notice.
 
         Raises:
             ConfigError: CKRUN_WRITER is malformed.
         """
         if self.direct and self._choice is None:
             try:
-                self._choice = probe.choose(self.root)
+                c = probe.choose(self.root, may_probe=may_probe)
             except DirectUnsupported:
                 self.direct = False
+            else:
+                if c.source == "deferred":
+                    return c
+                self._choice = c
         if not self.direct:
             return probe.WriterChoice("writebehind", 1, "config")
         assert self._choice is not None
@@ -142,14 +151,17 @@ class LocalStorage:
                 fits in one ``O_DIRECT`` staging buffer (:func:`~.direct.stage_bytes`)
                 would be written through the page cache at the commit anyway, so it gets
                 the buffered writer at once: no staging copy, no I/O thread pool (issue
-                19, small states).  Only a choice of writer: any size may be written.
+                19, small states), and no probe is run for it.  Only a choice of
+                writer: any size may be written.
 
         Raises:
             ObjectExists: ``key`` exists (keys of unreferenced objects are fresh).
         """
         if type(self) is not LocalStorage:
             return None
-        c = self.writer_choice()
+        # an object every probed candidate writes buffered never waits for the probe
+        small = size_hint is not None and size_hint <= stage_bytes(probe.DEEP)
+        c = self.writer_choice(may_probe=not small)
         if c.mode == "direct" and (size_hint is None or size_hint > stage_bytes(c.depth)):
             try:
                 return DirectWriter(self, key, depth=c.depth, in_place=True)

@@ -15,6 +15,15 @@ a location is probed once per machine; it is logged at INFO.
 
 ``CKRUN_WRITER`` overrides the probe: ``direct`` (depth 1), ``direct:N`` (depth N),
 ``writebehind``, ``auto`` (the default: probe).  Measurements: bench/README.md.
+
+The probe writes ``3 × PROBE_BYTES`` (144 MiB) and is run only where its answer is
+worth it: a caller that writes an object every candidate would write through the page
+cache anyway (a small state) passes ``may_probe=False``, and once a preemption notice
+has reached the process (:func:`defer_probes`, called by :mod:`ckrun.control`) no probe
+runs at all: on a fresh machine the first save is often the emergency one, and on a slow
+volume the probe would take longer than the save it tunes.  Both get ``direct:1``
+(source ``deferred``, the writer used before the probe existed), not remembered, so a
+later save probes as usual.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ DEEP = 4
 _TIE = 0.95
 _lock = threading.Lock()
 _memo: dict[str, WriterChoice] = {}
+_deferred: list[str] = []  # why probes are deferred in this process (first reason)
 
 
 @dataclass(frozen=True)
@@ -46,8 +56,9 @@ class WriterChoice:
     Attributes:
         mode: ``direct`` (``O_DIRECT`` staging writer) or ``writebehind``.
         depth: ``O_DIRECT`` writes outstanding (1 for ``writebehind``).
-        source: ``probe``, ``cache`` (remembered probe), ``env`` (CKRUN_WRITER), or
-            ``fallback`` (the probe failed, e.g. no room: ``direct:1``, not remembered).
+        source: ``probe``, ``cache`` (remembered probe), ``env`` (CKRUN_WRITER),
+            ``fallback`` (the probe failed, e.g. no room: ``direct:1``, not remembered)
+            or ``deferred`` (no probe now, :func:`choose`: ``direct:1``, not remembered).
         rates: the probe's GB/s per candidate (empty unless probed).
     """
 
@@ -185,11 +196,25 @@ def probe(root: str, nbytes: int = PROBE_BYTES) -> WriterChoice:
     return WriterChoice(mode, int(d or 1), "probe", tuple(sorted(rates.items())))
 
 
-def choose(root: str) -> WriterChoice:
+def defer_probes(reason: str) -> None:
+    """From now on this process runs no probe (module docstring): an unprobed location
+    gets ``direct:1`` (source ``deferred``, not remembered).  Safe in a signal handler
+    (one list append, no lock).
+
+    Args:
+        reason: for the log line, e.g. ``"a preemption notice is pending"``.
+    """
+    if not _deferred:
+        _deferred.append(reason)
+
+
+def choose(root: str, *, may_probe: bool = True) -> WriterChoice:
     """The writer for ``root``: CKRUN_WRITER, else remembered, else probed (and kept).
 
     A probe that fails with a storage error (no room for its 48 MiB, say) gives
-    ``direct:1`` for this process, logged as a warning and not remembered.
+    ``direct:1`` for this process, logged as a warning and not remembered.  Without
+    ``may_probe``, or after :func:`defer_probes`, an unprobed location gets ``direct:1``
+    (source ``deferred``) for this call, not remembered.
 
     Raises:
         ConfigError: CKRUN_WRITER is malformed.
@@ -204,6 +229,10 @@ def choose(root: str) -> WriterChoice:
             return _memo[key]
         entry = _read_cache().get(key)
         c = _from_cache(entry) if isinstance(entry, dict) else None
+        if c is None and (_deferred or not may_probe):
+            if _deferred:
+                log.info("writer probe for %s deferred (%s): direct:1", key, _deferred[0])
+            return WriterChoice("direct", 1, "deferred")
         if c is None:
             try:
                 c = probe(root)
@@ -228,6 +257,8 @@ def choose(root: str) -> WriterChoice:
 
 
 def forget() -> None:
-    """Drop the in-memory choices (the JSON file stays); for tests and the benchmark."""
+    """Drop the in-memory choices and a deferral (the JSON file stays); for tests and
+    the benchmark."""
     with _lock:
         _memo.clear()
+        _deferred.clear()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from ckrun.errors import ConfigError
 from ckrun.storage import probe
-from ckrun.storage.direct import DirectWriter
+from ckrun.storage.direct import DirectWriter, stage_bytes
 from ckrun.storage.local import LocalStorage
 from ckrun.storage.local_writer import LocalWriter
 
@@ -202,3 +202,47 @@ def test_probe_failure_falls_back_and_is_not_remembered(
     with st.open_write("x") as w:
         w.write(b"data")
     assert st.get("x") == b"data"
+
+
+def _counted_probe(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    real = probe.probe
+
+    def counted(root: str, nbytes: int = probe.PROBE_BYTES) -> probe.WriterChoice:
+        calls.append(root)
+        return real(root, 4 << 20)
+
+    monkeypatch.setattr(probe, "probe", counted)
+    return calls
+
+
+def test_a_small_object_never_waits_for_the_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _counted_probe(monkeypatch)
+    st = LocalStorage(str(tmp_path / "run"))
+    small = stage_bytes(probe.DEEP)  # buffered whichever candidate the probe picks
+    w = st.open_unreferenced("small", small)
+    assert type(w) is LocalWriter and calls == [] and not Path(probe.cache_file()).exists()
+    w.abort()
+    w = st.open_unreferenced("large", small + 1)  # its writer is the probe's choice
+    assert w is not None and calls == [st.root] and Path(probe.cache_file()).exists()
+    w.abort()
+
+
+def test_no_probe_once_a_notice_is_pending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = _counted_probe(monkeypatch)
+    caplog.set_level(logging.INFO, logger="ckrun.storage.probe")
+    probe.defer_probes("a preemption notice is pending")
+    st = LocalStorage(str(tmp_path / "run"))
+    c = st.writer_choice()
+    assert (c.label, c.source) == ("direct:1", "deferred") and calls == []
+    w = st.open_write("shard")
+    assert isinstance(w, DirectWriter) and w.depth == 1
+    w.abort()
+    assert "deferred (a preemption notice is pending): direct:1" in caplog.text
+    assert not Path(probe.cache_file()).exists()  # not remembered: a later process probes
+    probe.forget()
+    assert st.writer_choice().source == "probe" and calls == [st.root]
