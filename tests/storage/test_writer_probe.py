@@ -23,6 +23,18 @@ def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     probe.forget()
 
 
+def _counted_probe(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    real = probe.probe
+
+    def counted(root: str, nbytes: int = probe.PROBE_BYTES) -> probe.WriterChoice:
+        calls.append(root)
+        return real(root, 4 << 20)
+
+    monkeypatch.setattr(probe, "probe", counted)
+    return calls
+
+
 @pytest.mark.parametrize("depth", [1, 2, 4, 7])
 def test_deep_direct_writer_writes_the_same_bytes(tmp_path: Path, depth: int) -> None:
     st = LocalStorage(str(tmp_path / "run"))
@@ -40,14 +52,7 @@ def test_deep_direct_writer_writes_the_same_bytes(tmp_path: Path, depth: int) ->
 def test_probe_is_remembered_per_location_and_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    calls: list[str] = []
-    real = probe.probe
-
-    def counted(root: str, nbytes: int = probe.PROBE_BYTES) -> probe.WriterChoice:
-        calls.append(root)
-        return real(root, 4 << 20)
-
-    monkeypatch.setattr(probe, "probe", counted)
+    calls = _counted_probe(monkeypatch)
     caplog.set_level(logging.INFO, logger="ckrun.storage.probe")
     st = LocalStorage(str(tmp_path / "a"))
     c = st.writer_choice()
@@ -202,18 +207,6 @@ def test_probe_failure_falls_back_and_is_not_remembered(
     with st.open_write("x") as w:
         w.write(b"data")
     assert st.get("x") == b"data"
-
-
-def _counted_probe(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    calls: list[str] = []
-    real = probe.probe
-
-    def counted(root: str, nbytes: int = probe.PROBE_BYTES) -> probe.WriterChoice:
-        calls.append(root)
-        return real(root, 4 << 20)
-
-    monkeypatch.setattr(probe, "probe", counted)
-    return calls
 
 
 def test_a_small_object_never_waits_for_the_probe(
