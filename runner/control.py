@@ -50,12 +50,12 @@ Environment read here: ``CKRUN_CONTROL_DIR``, ``CKRUN_NOTICE_SIGNAL``,
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from types import FrameType
 
@@ -99,6 +99,7 @@ LIVENESS_INTERVAL_S = 1.0
 _flag = threading.Event()
 _received: list[int] = []
 _installed: set[int] = set()
+_handlers_pid: list[int] = []  # the process that installed them (a fork inherits them)
 _checks = [0]  # calls of preemption_requested() in this process
 _hooks: list[Callable[[], None]] = []  # run at every check (per-step digests)
 _liveness = [0.0]  # monotonic time of the last supervisor liveness check
@@ -204,32 +205,26 @@ def _shield_from_dataloader_workers() -> None:
             pass
 
 
-def dump_stacks(frame: FrameType | None, fd: int = 2) -> None:
-    """Write every thread's Python stack to ``fd`` (the supervisor's grace period is
-    over and the process has not exited).  ``frame`` is the main thread's interrupted
-    frame (a signal handler's argument).
+def dump_stacks(fd: int = 2) -> None:
+    """Write where every thread of this process is to ``fd``: a header naming the pid,
+    then :func:`faulthandler.dump_traceback` (file, line and function of each frame,
+    most recent first; at most 100 threads of 100 frames).  Used when the supervisor's
+    grace period is over and the process has not exited.
 
-    Safe inside a signal handler: no lock of :mod:`threading` is taken and the text goes
-    to the descriptor with ``os.write``, not through ``sys.stderr`` (whose buffer the
-    interrupted code may hold).  Best effort: an error writing it is ignored.
+    Safe inside a signal handler: no lock is taken and no source file is read (a file
+    on the hung mount would hang the dump), and the text goes straight to ``fd``, not
+    through ``sys.stderr`` (whose buffer the interrupted code may hold).  It runs where
+    Python runs the handler: a main thread blocked in uninterruptible I/O or in C code
+    that never checks for signals prints nothing and is ended by the KILL that follows.
+    Best effort: an error writing it is ignored.
     """
     try:
-        main = threading.main_thread().ident
-        names = {i: t.name for i, t in dict(getattr(threading, "_active", {})).items()}
-        out = [
+        os.write(fd, (
             f"ckrun: pid {os.getpid()} did not exit within the supervisor's grace period; "
-            "where each thread was (most recent call last):\n"
-        ]
-        for ident, f in sys._current_frames().items():
-            at = frame if ident == main and frame is not None else f
-            out.append(
-                f"  thread {names.get(ident, ident)!r}{' (main)' if ident == main else ''}:\n"
-            )
-            out.extend(traceback.format_stack(at))
-        data = "".join(out).encode(errors="replace")
-        while data:
-            data = data[os.write(fd, data) :]
-    except Exception:  # noqa: BLE001 - a diagnostic must not keep the process alive
+            "where its threads were (most recent call first):\n"
+        ).encode())  # fmt: skip
+        faulthandler.dump_traceback(fd, all_threads=True)
+    except (OSError, ValueError, RuntimeError):
         pass
 
 
@@ -244,7 +239,8 @@ def _notice_reached() -> None:
 def _handler(signum: int, frame: FrameType | None) -> None:
     cdir = control_dir()
     if signum == signal.SIGTERM and cdir and os.path.exists(os.path.join(cdir, ESCALATE_FILE)):
-        dump_stacks(frame)
+        if _handlers_pid and _handlers_pid[0] == os.getpid():  # not a forked worker
+            dump_stacks()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
@@ -276,6 +272,7 @@ def install_signal_handlers(force: bool = False) -> bool:
         if sig not in _installed:
             signal.signal(sig, _handler)
             _installed.add(sig)
+    _handlers_pid[:] = [os.getpid()]  # a process that checks the flag itself
     return True
 
 

@@ -336,7 +336,7 @@ class Supervisor:
         waits = self.kid.take_waits() if a.kind == "escalate" else None
         if waits:  # a thread in D: a storage stall; all in S futex: a lock or a thread
             fields["waits"] = waits
-            msg += "; where its processes were: " + "; ".join(waits)
+            msg += "; where its processes were: " + " | ".join(waits)
         self.say(msg)
         step = fields.pop("step", None)
         seconds = fields.pop("seconds", None)

@@ -241,17 +241,27 @@ def _pgrp(pid: int) -> int | None:
 
 
 def _task_wait(pid: int, tid: str) -> tuple[str, str, str] | None:
-    """(comm, state letter, kernel wait channel) of thread ``tid`` of ``pid``, or None."""
+    """(comm, state letter, kernel wait channel or "") of thread ``tid`` of ``pid``, or
+    None when it is gone.  The wait channel is left out where the kernel does not show
+    it (no ``wchan`` file, or ``0``)."""
     try:
         with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
             raw = f.read()
+    except OSError:
+        return None
+    try:
         with open(f"/proc/{pid}/task/{tid}/wchan", "rb") as f:
             wchan = f.read().decode(errors="replace").strip()
     except OSError:
-        return None
+        wchan = ""
     comm = raw[raw.find(b"(") + 1 : raw.rfind(b")")].decode(errors="replace")
     state = raw[raw.rfind(b")") + 2 :][:1].decode(errors="replace")
-    return comm, state, "" if wchan in ("", "0") else wchan
+    printable = "".join(c if c.isprintable() else "?" for c in comm)
+    return printable, state, "" if wchan == "0" else wchan
+
+
+#: Processes named by :func:`waits` (the rest are counted).
+WAITS_SHOWN = 8
 
 
 def waits(child: Child) -> list[str]:
@@ -262,10 +272,12 @@ def waits(child: Child) -> list[str]:
     whose threads all sleep in ``S futex`` waits on a lock or another thread.
 
     Returns:
-        One line per process (empty without ``/proc``).
+        One line per process, at most :data:`WAITS_SHOWN` and then ``"+N more"``
+        (empty without ``/proc``).
     """
     out = []
-    for pid in members(child):
+    pids = members(child)
+    for pid in pids[:WAITS_SHOWN]:
         try:
             tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
         except OSError:
@@ -284,6 +296,8 @@ def waits(child: Child) -> list[str]:
         ]
         if parts:
             out.append(f"pid {pid} ({comm}): {', '.join(parts)}")
+    if len(pids) > WAITS_SHOWN:
+        out.append(f"+{len(pids) - WAITS_SHOWN} more")
     return out
 
 

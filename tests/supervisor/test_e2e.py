@@ -169,10 +169,10 @@ def test_child_ignoring_the_notice_is_killed_within_grace(tmp_path: Path, procs:
 
 
 STUCK_SAVE = (
-    "import threading, time, ckrun\n"
+    "import os, threading, time, ckrun\n"
     "def stuck_in_save():  # a save that never returns (a dead mount, a lost peer)\n"
     "    threading.Event().wait()\n"
-    "print('training', flush=True)\n"
+    "print('training', os.getpid(), flush=True)\n"
     "while not ckrun.preemption_requested():\n"
     "    time.sleep(0.01)\n"
     "stuck_in_save()\n"
@@ -185,17 +185,19 @@ def test_a_child_past_the_grace_period_is_reported_where_it_hangs(
     (tmp_path / "stuck.py").write_text(STUCK_SAVE)
     sup = procs(["submit", "--run", "h", "--storage", "runs", "--grace", "3", "--",
                  PY, str(tmp_path / "stuck.py")], tmp_path)  # fmt: skip
-    sup.wait_line("^training$")
+    pid = int(sup.wait_line(r"^training (\d+)$").group(1))
     sup.proc.send_signal(signal.SIGTERM)
     assert sup.wait() == 76, sup.text  # preempted without a new checkpoint
-    # the supervisor: where the child's threads were (the main thread waits on a futex)
+    assert "no checkpoint yet" in sup.text
+    # the supervisor: where the child's one thread was (asleep: S, whatever the channel)
     line = sup.wait_line(r"no exit .* after the notice: .*; where its processes were: (.*)")
-    assert line.group(1).startswith("pid ") and " S futex" in line.group(1), sup.text
+    assert line.group(1).startswith(f"pid {pid} (python"), sup.text
+    assert "): 1 thread S" in line.group(1), sup.text
     esc = [e for e in events(tmp_path / "runs" / "h") if e["kind"] == "escalate"][-1]
-    assert esc["waits"] and esc["waits"][0].startswith("pid ")
+    assert esc["waits"] == [line.group(1)]
     # the child: its Python stack at the TERM, down to the line it hangs on
-    assert "did not exit within the supervisor's grace period" in sup.text
-    assert 'stuck.py", line 3, in stuck_in_save\n    threading.Event().wait()' in sup.text
+    assert f"pid {pid} did not exit within the supervisor's grace period" in sup.text
+    assert f'File "{tmp_path / "stuck.py"}", line 3 in stuck_in_save' in sup.text, sup.text
 
 
 def test_crash_loop_stops_and_says_so(tmp_path: Path, procs: Start) -> None:

@@ -230,3 +230,42 @@ def test_a_terminal_that_hung_up_is_still_relayed() -> None:
         b.close()
     with open(os.devnull, "wb") as f:
         assert _kind(f.fileno()) is None
+
+
+WAITERS = r"""
+import os, sys, threading, time
+for _ in range(int(sys.argv[1])):  # more processes in the session
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+for _ in range(2):  # two threads asleep beside the main thread
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("forks", [0, process.WAITS_SHOWN + 2])
+def test_waits_groups_each_process_threads_by_state(forks: int) -> None:
+    p = subprocess.Popen([sys.executable, "-c", WAITERS, str(forks)], stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        child = process.Child(pid=p.pid, argv=(), started=0.0)
+        deadline = time.monotonic() + 10
+        while True:  # until every process sleeps (the main thread has just printed)
+            lines = process.waits(child)
+            if " R" not in "".join(lines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        mine = [x for x in lines if x.startswith(f"pid {p.pid} (python")]
+        # the two Event waits (and the main thread's sleep: one group without wait channels)
+        assert len(mine) == 1 and ("2 threads S" in mine[0] or "3 threads S" in mine[0]), lines
+        counts = [int(g.split()[0]) for g in mine[0].split(": ", 1)[1].split(", ")]
+        assert sum(counts) == 3, lines
+        assert len(lines) == min(forks + 1, process.WAITS_SHOWN + 1)
+        if forks > process.WAITS_SHOWN:
+            assert lines[-1] == f"+{forks + 1 - process.WAITS_SHOWN} more"
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
