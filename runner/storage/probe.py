@@ -165,6 +165,8 @@ def _time_write(root: str, mode: str, depth: int, nbytes: int) -> float:
         t = time.perf_counter()
         done = 0
         while done < nbytes:
+            if _deferred:  # a notice came during the probe: the save goes first
+                raise ProbeDeferred(_deferred[0])
             done += w.write(chunk)
         w.commit()  # fsync + rename + directory fsync, as for a shard
         return time.perf_counter() - t
@@ -182,6 +184,7 @@ def probe(root: str, nbytes: int = PROBE_BYTES) -> WriterChoice:
     Raises:
         DirectUnsupported: the filesystem refuses ``O_DIRECT`` (the caller falls back).
         StorageError: the probe's writes failed.
+        ProbeDeferred: :func:`defer_probes` was called while it ran (nothing is left).
     """
     cands = [("direct", 1), ("direct", DEEP), ("writebehind", 1)]
     rates: dict[str, float] = {}
@@ -194,6 +197,10 @@ def probe(root: str, nbytes: int = PROBE_BYTES) -> WriterChoice:
         best = best_direct
     mode, _, d = best.partition(":")
     return WriterChoice(mode, int(d or 1), "probe", tuple(sorted(rates.items())))
+
+
+class ProbeDeferred(Exception):
+    """A probe stopped because probes were deferred while it ran (:func:`defer_probes`)."""
 
 
 def defer_probes(reason: str) -> None:
@@ -213,7 +220,8 @@ def choose(root: str, *, may_probe: bool = True) -> WriterChoice:
 
     A probe that fails with a storage error (no room for its 48 MiB, say) gives
     ``direct:1`` for this process, logged as a warning and not remembered.  Without
-    ``may_probe``, or after :func:`defer_probes`, an unprobed location gets ``direct:1``
+    ``may_probe``, or after :func:`defer_probes` (also one that comes while the probe
+    runs: it stops between two 8 MiB writes), an unprobed location gets ``direct:1``
     (source ``deferred``) for this call, not remembered.
 
     Raises:
@@ -236,6 +244,9 @@ def choose(root: str, *, may_probe: bool = True) -> WriterChoice:
         if c is None:
             try:
                 c = probe(root)
+            except ProbeDeferred as e:
+                log.info("writer probe for %s stopped (%s): direct:1", key, e)
+                return WriterChoice("direct", 1, "deferred")
             except DirectUnsupported:
                 raise
             except StorageError as e:  # e.g. no room for the probe: the classic writer

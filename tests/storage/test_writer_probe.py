@@ -239,3 +239,22 @@ def test_no_probe_once_a_notice_is_pending(
     assert not Path(probe.cache_file()).exists()  # not remembered: a later process probes
     probe.forget()
     assert st.writer_choice().source == "probe" and calls == [st.root]
+
+
+def test_a_notice_during_the_probe_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    st = LocalStorage(str(tmp_path / "run"))
+    real = DirectWriter.write
+    writes: list[int] = []
+
+    def write(self: DirectWriter, data: memoryview) -> int:
+        writes.append(len(data))
+        if len(writes) == 2:  # the notice arrives while the probe writes
+            probe.defer_probes("a preemption notice is pending")
+        return real(self, data)
+
+    monkeypatch.setattr(DirectWriter, "write", write)
+    c = st.writer_choice()
+    assert (c.label, c.source) == ("direct:1", "deferred") and len(writes) == 2
+    assert os.listdir(st.root) == [] and not Path(probe.cache_file()).exists()
