@@ -126,6 +126,7 @@ class Supervisor:
         self._queue: collections.deque[sm.Event] = collections.deque()
         self._watched: WatchedFiles | None = None
         self.state = sm.State(policy=policy_of(cfg))
+        self._numbered = False  # the attempt number is known (the run's record is read)
         self.owner: Ownership | None = None
         self.runstate: RunState | None = None
         self._console_noted = False
@@ -149,7 +150,9 @@ class Supervisor:
 
     def say(self, message: str) -> None:
         """Print one ``[ckrun]`` line."""
-        line = f"[ckrun] {self.cfg.run} attempt {self.events.attempt}: {message}"
+        # before the run's record is read (the lease comes first) no attempt number is known
+        who = f"{self.cfg.run} attempt {self.events.attempt}" if self._numbered else self.cfg.run
+        line = f"[ckrun] {who}: {message}"
         print(line, file=self.out, flush=True)
         lost = self.out.lost
         if lost is not None and not self._console_noted:  # once: the run goes on
@@ -212,6 +215,7 @@ class Supervisor:
             started = max(started, self.runstate.record.attempts)
         self.state = resumed_state(self.state.policy, started, b)
         self.events.attempt = self.state.attempt
+        self._numbered = True
         job = self.job
         self.events.append(
             "supervisor_start",

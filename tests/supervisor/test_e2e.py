@@ -200,6 +200,15 @@ def test_a_child_past_the_grace_period_is_reported_where_it_hangs(
     assert f'File "{tmp_path / "stuck.py"}", line 3 in stuck_in_save' in sup.text, sup.text
 
 
+def test_lines_before_the_run_record_is_read_carry_no_attempt_number(tmp_path: Path) -> None:
+    for attempt in (0, 1):  # the lease is taken before the run's attempts are known
+        r = cli(["run", "--run", "n", "--storage", "runs", "--", PY, "-c", "pass"], tmp_path)
+        assert r.returncode == 0, r.stderr
+        lines = r.stderr.splitlines()
+        assert lines[0].startswith("[ckrun] n: holding the run's lease"), r.stderr
+        assert f"[ckrun] n attempt {attempt}: started" in r.stderr
+
+
 def test_crash_loop_stops_and_says_so(tmp_path: Path, procs: Start) -> None:
     sup = procs(
         [
