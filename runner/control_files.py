@@ -53,13 +53,20 @@ def control_dir() -> str | None:
 
 
 def write_notice(cdir: str, notice: Notice) -> None:
-    """Supervisor: publish ``notice`` atomically in ``cdir/notice.json``."""
-    write_json_atomic(os.path.join(cdir, NOTICE_FILE), notice.to_json())
+    """Supervisor: publish ``notice`` atomically in ``cdir/notice.json``.
+
+    Not fsynced, as every file of the control channel: it is read on this machine
+    while its processes live, and a flush would first wait for the dirty data of every
+    other writer on the disk (5.3 s with a 300 MB write in flight on a 50 MB/s volume,
+    where the unsynced write took 1 ms), delaying the notice signal sent after it.
+    """
+    write_json_atomic(os.path.join(cdir, NOTICE_FILE), notice.to_json(), durable=False)
 
 
 def write_escalation(cdir: str) -> None:
-    """Supervisor: mark that the grace period is over; the next SIGTERM is fatal."""
-    write_json_atomic(os.path.join(cdir, ESCALATE_FILE), {"escalated": True})
+    """Supervisor: mark that the grace period is over; the next SIGTERM is fatal (not
+    fsynced, see :func:`write_notice`)."""
+    write_json_atomic(os.path.join(cdir, ESCALATE_FILE), {"escalated": True}, durable=False)
 
 
 def clear(cdir: str) -> None:

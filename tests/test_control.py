@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from ckrun import control
 from ckrun.notices import DRILL, Notice
+from ckrun.supervisor.rundir import RunDir
 
 CHILD = r"""
 import os, sys, time, ckrun
@@ -157,6 +158,24 @@ def test_drill_at_checks_per_attempt(tmp_path: Path) -> None:
         body = json.loads((tmp_path / "control" / "notice.json").read_text())
         assert body["kind"] == DRILL and body["source"] == "check-resume"
         control.clear(str(tmp_path / "control"))
+
+
+def test_the_control_channel_never_waits_for_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flush of notice.json would first wait for every other writer's dirty data (an
+    async persist in flight: seconds), and the notice signal is sent after it."""
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    control.write_notice(str(tmp_path), Notice.with_lead("preemption", "gcp", 30))
+    control.write_escalation(str(tmp_path))
+    rd = RunDir(str(tmp_path / "state"))  # `ckrun preempt` asks the live supervisor
+    rd.request("preempt.json", {"reason": "test"})
+    assert synced == []
+    assert rd.take_request("preempt.json") == {"reason": "test"}
+    assert control.read_notice(str(tmp_path)) is not None
+    assert (tmp_path / control.ESCALATE_FILE).exists()
 
 
 def test_notice_round_trip(tmp_path: Path) -> None:

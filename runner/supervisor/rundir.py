@@ -199,8 +199,9 @@ class RunDir:
         return None
 
     def request(self, name: str, body: dict[str, Any]) -> None:
-        """Leave a request file for the live supervisor in ``control/``."""
-        write_json_atomic(os.path.join(self.control_dir, name), body)
+        """Leave a request file for the live supervisor in ``control/`` (not fsynced:
+        only that supervisor reads it, see :func:`ckrun.control_files.write_notice`)."""
+        write_json_atomic(os.path.join(self.control_dir, name), body, durable=False)
 
     def take_request(self, name: str) -> dict[str, Any] | None:
         """Consume a request file from ``control/``; None when there is none."""
