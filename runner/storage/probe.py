@@ -11,7 +11,8 @@ root, fsynced, and the fastest wins (``O_DIRECT`` on a tie within 5 %, as it lea
 page cache alone).  The choice is kept in memory and in a small JSON file,
 ``$CKRUN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/ckrun`` or ``~/.cache/ckrun``)
 ``/writer-probe.json``, keyed by the device number and mount point of the location, so
-a location is probed once per machine; it is logged at INFO.
+a location is probed once per machine (by one process at a time: the ranks of a job that
+reach their first save together share one probe); it is logged at INFO.
 
 ``CKRUN_WRITER`` overrides the probe: ``direct`` (depth 1), ``direct:N`` (depth N),
 ``writebehind``, ``auto`` (the default: probe).  Measurements: bench/README.md.
@@ -203,6 +204,59 @@ class ProbeDeferred(Exception):
     """A probe stopped because probes were deferred while it ran (:func:`defer_probes`)."""
 
 
+#: Seconds a process waits for another one's probe of the same machine before it
+#: writes with ``direct:1`` for now (a probe takes 0.3 s on a quiet disk, 15 s at 10 MB/s).
+PROBE_WAIT_S = 60.0
+
+
+def _probe_once(root: str, key: str) -> WriterChoice:
+    """Probe ``root`` and remember the result, one process of the machine at a time: under
+    the file lock ``<cache file>.lock`` (``flock``), re-reading the cache first, so the
+    ranks of a job that reach their first save together probe once and the others use
+    that result (several probes at once would also each measure a fraction of the disk).
+    Without a usable lock file (a read-only home) it probes alone.
+
+    Returns:
+        The probed choice (source ``probe``), the remembered one (``cache``), or
+        ``direct:1`` (``deferred``) after :data:`PROBE_WAIT_S` or a notice while waiting.
+
+    Raises:
+        As :func:`probe`.
+    """
+    from filelock import FileLock, Timeout
+
+    path = cache_file() + ".lock"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock: FileLock | None = FileLock(path, thread_local=False)
+    except OSError:
+        lock = None
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while lock is not None:
+        try:
+            lock.acquire(timeout=0.1)
+            break
+        except Timeout:
+            if _deferred or time.monotonic() > deadline:
+                why = (
+                    _deferred[0] if _deferred else f"another process probes for {PROBE_WAIT_S:g} s"
+                )
+                log.info("writer probe for %s skipped (%s): direct:1", key, why)
+                return WriterChoice("direct", 1, "deferred")
+        except OSError:  # the lock file cannot be created: probe alone
+            lock = None
+    try:
+        entry = _read_cache().get(key)
+        c = _from_cache(entry) if isinstance(entry, dict) else None
+        if c is None:
+            c = probe(root)
+            _write_cache(key, c)
+        return c
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def defer_probes(reason: str) -> None:
     """From now on this process runs no probe (module docstring): an unprobed location
     gets ``direct:1`` (source ``deferred``, not remembered).  Safe in a signal handler
@@ -243,7 +297,7 @@ def choose(root: str, *, may_probe: bool = True) -> WriterChoice:
             return WriterChoice("direct", 1, "deferred")
         if c is None:
             try:
-                c = probe(root)
+                c = _probe_once(root, key)
             except ProbeDeferred as e:
                 log.info("writer probe for %s stopped (%s): direct:1", key, e)
                 return WriterChoice("direct", 1, "deferred")
@@ -254,13 +308,13 @@ def choose(root: str, *, may_probe: bool = True) -> WriterChoice:
                 c = WriterChoice("direct", 1, "fallback")
                 _memo[key] = c
                 return c
+        if c.source == "probe":
             log.info(
                 "writer probe for %s: %s (GB/s %s)",
                 key,
                 c.label,
                 ", ".join(f"{k} {v:.2f}" for k, v in c.rates),
             )
-            _write_cache(key, c)
         else:
             log.info("writer for %s: %s (remembered in %s)", key, c.label, cache_file())
         _memo[key] = c

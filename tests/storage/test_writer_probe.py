@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -258,3 +261,31 @@ def test_a_notice_during_the_probe_stops_it(
     c = st.writer_choice()
     assert (c.label, c.source) == ("direct:1", "deferred") and len(writes) == 2
     assert os.listdir(st.root) == [] and not Path(probe.cache_file()).exists()
+
+
+RANK = r"""
+import logging, os, sys, time
+from ckrun.storage import probe
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+real = probe.probe
+probe.probe = lambda root, nbytes=probe.PROBE_BYTES: real(root, 16 << 20)
+while not os.path.exists(sys.argv[2]):  # every rank reaches its first save together
+    time.sleep(0.001)
+print(probe.choose(sys.argv[1]).source)
+"""
+
+
+def test_ranks_of_one_machine_probe_once(tmp_path: Path) -> None:
+    root, go = tmp_path / "run", tmp_path / "go"
+    root.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CKRUN_WRITER"}
+    env["CKRUN_CACHE_DIR"] = str(tmp_path / "cache")
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(root), str(go)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]  # fmt: skip
+    time.sleep(1.0)  # all imported and polling
+    go.touch()
+    outs = [r.communicate(timeout=120) for r in ranks]
+    assert all(r.returncode == 0 for r in ranks), outs
+    assert sorted(o.strip() for o, _ in outs) == ["cache", "cache", "cache", "probe"], outs
+    assert sum("writer probe for" in e for _, e in outs) == 1, outs
