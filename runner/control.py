@@ -87,7 +87,8 @@ __all__ = [
     "ESCALATE_FILE", "EXIT_REASONS", "EXIT_REASON_BYTES", "EXIT_REASON_FILE",
     "LIVENESS_INTERVAL_S", "NOTICE_FILE", "PEER_NOTICE_FILE", "TRAINING_FILE",
     "add_check_hook", "clear", "control_dir", "dump_stacks", "install_signal_handlers",
-    "mark_training", "notice_signal", "preemption_requested", "read_exit_reason", "read_notice",
+    "mark_training", "notice_pending", "notice_signal", "preemption_requested",
+    "read_exit_reason", "read_notice",
     "received_signals", "record_notice_save", "reserve_exit_reason", "reset_for_tests",
     "supervisor_gone", "take_peer_notice", "training_started", "write_escalation",
     "write_exit_reason", "write_notice", "write_peer_notice",
@@ -373,6 +374,13 @@ def preemption_requested(sync: bool = False) -> bool:
         if not local:
             write_peer_notice()
     return agreed
+
+
+def notice_pending() -> bool:
+    """True once a notice has reached this process (the flag only: no check of
+    ``notice.json``, no counting; callable from any thread).  Work that can wait, such
+    as retention, yields to the emergency save and the exit then."""
+    return _flag.is_set()
 
 
 def record_notice_save(step: int) -> None:

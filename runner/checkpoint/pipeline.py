@@ -35,6 +35,7 @@ from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.state import capture
+from ckrun.control import notice_pending
 from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StateUnusable, StorageError
 from ckrun.storage import priority
 from ckrun.storage.base import ObjectWriter, PublishesAfter, Storage
@@ -367,6 +368,12 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
     deletes ``m`` nor the step this process resumed from.  A storage error is logged:
     the checkpoint is committed and retention retries after the next save."""
     if ctx.rank != 0:
+        return
+    if m.kind != ManifestKind.FINAL and notice_pending():
+        # deletes can wait: a notice's save and exit must not wait for their directory
+        # fsyncs (seconds on a busy disk); the next attempt's first save retains (a full
+        # pass: its ledger is new), and nothing is lost by keeping more checkpoints
+        log.info("retention after step %d left to the next attempt: a notice is pending", m.step)
         return
     try:
         ctx.check_fence(f"retention after step {m.step}")

@@ -9,7 +9,7 @@ from typing import Any
 import ckrun
 import pytest
 import torch
-from ckrun.checkpoint import layout, retention
+from ckrun.checkpoint import layout, pipeline, retention
 from ckrun.checkpoint.lease import EPOCH_ENV, Lease
 from ckrun.storage.local import LocalStorage
 from hypothesis import given, settings
@@ -215,3 +215,33 @@ def test_a_save_that_kept_an_identical_earlier_commit_makes_its_pass_full(
     assert kept.attempt == 0  # the first attempt's manifest was kept
     named = {s.key for s in kept.shards}
     assert {k for k in _left(st) if "/step-0000000001/" in k} == {kept.key, *named}
+
+
+def _steps(root: str) -> list[int]:
+    keys = _left(LocalStorage(root))
+    return sorted(int(k.split("step-")[1][:10]) for k in keys if k.endswith(".json"))
+
+
+def test_a_save_under_a_notice_leaves_retention_to_the_next_attempt(tmp_path: Path) -> None:
+    """Deletes fsync directories (seconds on a busy disk): under a notice the emergency
+    save and the exit do not wait for them; the next attempt's first save retains."""
+    from ckrun import control
+
+    root = str(tmp_path / "run")
+    ck = ckrun.Checkpointer(storage=root, rng=False, lock=False, keep_last=1)
+    ck.save(1, {"w": torch.zeros(4)})
+    ck.save(2, {"w": torch.ones(4)})
+    pipeline.wait_retention(ck._ctx)  # the pass after step 2 ran before the notice
+    try:
+        control._notice_reached()  # as the notice signal handler does
+        ck.save(3, {"w": torch.full((4,), 3.0)})  # the emergency save
+        ck.close()
+    finally:
+        control.reset_for_tests()
+    assert _steps(root) == [2, 3]  # step 1 went after step 2; step 2 stays for now
+    nxt = ckrun.Checkpointer(storage=root, rng=False, lock=False, keep_last=1)  # attempt 2
+    state = {"w": torch.zeros(4)}
+    assert nxt.load(state) is not None and float(state["w"][0]) == 3.0
+    nxt.save(4, state)
+    nxt.close()
+    assert _steps(root) == [3, 4]  # 3: the step it resumed from, never deleted by it
