@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,13 @@ def test_config_says_the_notice_timing(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "TERM at +13 s" in r.stdout and "KILL at +18 s" in r.stdout
     assert "exits by +20 s at the latest" in r.stdout
+
+
+def test_runs_on_a_bucket_it_cannot_list_says_why(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CKRUN_"))}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=os.devnull,
+               AWS_SHARED_CREDENTIALS_FILE=os.devnull, HOME=str(tmp_path))  # fmt: skip
+    r = cli(["runs", "--storage", "s3://ckrun-no-such-bucket/runs"], tmp_path, env=env)
+    assert r.returncode == 5, r.stdout + r.stderr  # a storage error, not "no runs"
+    assert "cannot list the runs in s3://ckrun-no-such-bucket/runs" in r.stderr
+    assert "no AWS credentials" in r.stderr and "no runs under" not in r.stdout

@@ -1,7 +1,9 @@
 """``ckrun runs`` (the runs under a storage base) and ``ckrun logs NAME [-f]``.
 
-``runs`` reads each ``<storage>/<run>/run.json`` and its event log (no torch import):
-state, attempts, newest committed step, goodput and age (time since its last event).
+``runs`` lists the runs this machine keeps state for and those whose record the storage
+holds (a bucket or a shared directory others ran on), each from ``run.json`` and its
+event log or from its record in the storage (no torch import): state, attempts, newest
+committed step, goodput and age (time since its last event).
 ``logs`` prints the output of a detached or scheduled run: the files recorded in
 ``job.json`` at submission (local: ``supervisor.log`` in the run directory, which holds
 the supervisor's and the training process's output; Slurm: the job's ``.out``/``.err``
@@ -13,10 +15,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
-from ckrun.errors import UsageError
+from ckrun.errors import StorageError, UsageError
 
 
 def _age(seconds: float) -> str:
@@ -29,27 +32,50 @@ def _age(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def list_runs(base: str) -> list[dict[str, Any]]:
-    """One row per run under the local storage base ``base`` (sorted by name): run,
-    state, attempts, newest committed step, goodput, age_s (seconds since its last
-    event, or since ``run.json`` was written)."""
+def list_runs(base: str, *, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """One row per run under the storage base ``base`` (sorted by name): run, state,
+    attempts, newest committed step, goodput, age_s (seconds since its last event, or
+    since ``run.json`` was written).  The runs are those this machine keeps state for and
+    those whose record the storage holds (:func:`ckrun.report.stored.stored_run_names`),
+    so a fresh machine lists the runs others ran on a bucket or a shared directory.
+
+    Args:
+        warn: told why the storage could not be listed (then only the local runs).
+    """
+    from ckrun.cli.locate import located_config
+    from ckrun.cli.status import locate
+    from ckrun.errors import CkrunError
     from ckrun.notices import utcnow
     from ckrun.report.history import stamp
+    from ckrun.report.stored import merge_events, run_storage, stored_events, stored_run_names
     from ckrun.report.summary import summarize
     from ckrun.runlog import read_events
     from ckrun.supervisor.rundir import RunDir
 
+    cfg = located_config("x", base)  # the base's configuration (any valid run name)
+    state_base = os.path.dirname(cfg.state_root)
+    names = {
+        n
+        for n in (os.listdir(state_base) if os.path.isdir(state_base) else [])
+        if RunDir(os.path.join(state_base, n)).exists()
+    }
+    try:
+        names.update(stored_run_names(cfg))
+    except CkrunError as e:
+        if warn is not None:
+            warn(f"cannot list the runs in {cfg.storage} ({e}); showing this machine's only")
     rows = []
     now = utcnow().timestamp()
-    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        rd = RunDir(os.path.join(base, name))
-        if not rd.exists():
+    for name in sorted(names):
+        try:
+            rd = locate(name, base)
+        except CkrunError:
             continue
         s = summarize(rd)
-        evs = read_events(rd.events_path)
+        evs = merge_events(read_events(rd.events_path), stored_events(run_storage(rd)))
         last = stamp(evs[-1]) if evs else None
         if last is None:
-            last = os.path.getmtime(rd.run_json)
+            last = os.path.getmtime(rd.run_json) if os.path.exists(rd.run_json) else now
         rows.append(
             {
                 "run": s["run"] or name,
@@ -64,20 +90,26 @@ def list_runs(base: str) -> list[dict[str, Any]]:
 
 
 @click.command("runs")
-@click.option("--storage", default=None, metavar="DIR", help="Storage base to list [./ckrun-runs].")
+@click.option(
+    "--storage",
+    default=None,
+    metavar="URL",
+    help="Storage base to list: a directory or s3:// [./ckrun-runs].",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON list.")
 def runs(storage: str | None, as_json: bool) -> None:
     """List the runs under a storage base: state, attempts, newest step, goodput, age."""
     from ckrun.config import is_local_storage, resolve
 
     base = resolve("local", {"storage": storage} if storage else {}).storage
-    if not is_local_storage(base):
-        raise UsageError(
-            f"{base}: `ckrun runs` lists a local storage base (the runs' state "
-            "directories); for remote storage pass the state_dir"
-        )
-    base = os.path.abspath(base.removeprefix("file://"))
-    rows = list_runs(base)
+    if is_local_storage(base):
+        base = os.path.abspath(base.removeprefix("file://"))
+    problems: list[str] = []
+    rows = list_runs(base, warn=problems.append)
+    if problems and not rows:  # nothing to show: the failure is the answer
+        raise StorageError(problems[0].replace("; showing this machine's only", ""))
+    for m in problems:
+        click.echo(f"warning: {m}", err=True)
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return

@@ -34,9 +34,32 @@ def open_readonly(cfg: RunConfig) -> Storage | None:
     Raises:
         ckrun.errors.StorageError, ConfigError: the storage cannot be opened.
     """
+    return _open_readonly(cfg.run_root, cfg)
+
+
+def stored_run_names(cfg: RunConfig) -> list[str]:
+    """The runs under the storage base ``cfg.storage`` whose storage holds their record
+    (``supervisor/state.json``) or a lease: the runs any machine ran there, whether or
+    not this one keeps state for them (a local base that does not exist has none).  On
+    S3 one listing of the base (every key under it, paginated).
+
+    Raises:
+        ckrun.errors.StorageError: the base cannot be listed (credentials, network).
+    """
+    kept = (layout.RUN_STATE, layout.LEASE)
+    base = cfg.storage
+    if not base.startswith("s3://"):
+        d = base.removeprefix("file://")
+        names = os.listdir(d) if os.path.isdir(d) else []
+        return sorted(n for n in names if any(os.path.isfile(os.path.join(d, n, k)) for k in kept))
+    st = _open_readonly(base, cfg)
+    keys = [o.key.partition("/") for o in st.list("")] if st is not None else []
+    return sorted({name for name, _, rest in keys if rest in kept})
+
+
+def _open_readonly(root: str, cfg: RunConfig) -> Storage | None:
     from ckrun.storage import open_storage
 
-    root = cfg.run_root
     if root.startswith("s3://"):
         from ckrun.config import storage_keys
         from ckrun.storage.s3 import S3Storage

@@ -4,7 +4,8 @@ Machine A runs the run (a first attempt that fails, a second that completes); ma
 has its own HOME and an empty ``XDG_STATE_HOME`` (no local state of the run) and shares
 only the run's storage: S3 (moto's server on 127.0.0.1) or a shared directory (each
 machine with its own ``CKRUN_STATE_DIR``).  On B, ``ckrun status`` (text, ``--json``,
-``--html``) and ``ckrun logs`` show both attempts from ``supervisor/state.json``.
+``--html``), ``ckrun logs`` and ``ckrun runs`` show both attempts from
+``supervisor/state.json``.
 """
 
 from __future__ import annotations
@@ -98,3 +99,12 @@ def test_a_fresh_machine_shows_the_runs_history(tmp_path: Path, storage_url: str
 
     missing = ckrun(["status", "nosuch", "--storage", storage_url], b_env, b)
     assert missing.returncode != 0 and "no run 'nosuch'" in missing.stderr
+    suggested = f"ckrun runs --storage {storage_url}"  # the error's suggestion works
+    assert suggested in missing.stderr
+
+    listed = ckrun(["runs", "--storage", storage_url, "--json"], b_env, b)
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert [(r["run"], r["state"], r["attempts"]) for r in rows] == [("r1", "COMPLETED", 2)]
+    table = ckrun(["runs", "--storage", storage_url], b_env, b).stdout
+    assert table.splitlines()[1].split()[:3] == ["r1", "COMPLETED", "2"], table
