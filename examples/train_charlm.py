@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         last = step == args.steps - 1
         if ckrun.preemption_requested(sync=True):  # every rank stops at the same step
             m = ckpt.save(step, state)
-            log(f"preemption notice: checkpoint step {m.step} committed, exiting 75")
+            n = ckrun.control.read_notice()  # what stops us: a preemption, Ctrl-C, a drill
+            why = f"{n.kind} notice ({n.source})" if n else "notice"
+            log(f"{why}: checkpoint step {m.step} committed, exiting 75")
             return int(ckrun.ExitCode.PREEMPTED)
         if (step + 1) % args.ckpt_every == 0 and not last:
             ckpt.async_save(step, state)  # blocks for the snapshot only; persists behind
