@@ -81,6 +81,12 @@ class AttemptChild:
         waits, self._waits = self._waits, None
         return waits
 
+    def resize(self) -> None:
+        """The console was resized: the child's relayed pty takes its size."""
+        c = self.current
+        if c is not None and c.relay is not None:
+            c.relay.resize()
+
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the child's session (nothing without a child)."""
         if self.current is not None:

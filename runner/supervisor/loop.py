@@ -253,6 +253,9 @@ class Supervisor:
         now = self.clock.monotonic()
         intake, queue = self.intake, self._queue
         for sig in self.inbox.take():
+            if sig == signal.SIGWINCH:  # the console was resized: the child's pty follows
+                self.kid.resize()
+                continue
             ev = intake.from_signal(sig, now)
             if ev is not None:
                 queue.append(ev)

@@ -36,7 +36,10 @@ when the last writer (the child's whole tree) closed them.
 
 The relay confirms that it runs, with its signals ignored, before the child starts; a
 relay that cannot start leaves the child on the consoles themselves, as before (logged).
-Window-size changes after the start are not forwarded (``SIGWINCH``).
+A resized terminal sends SIGWINCH to its foreground process group, the supervisor's;
+the supervisor passes it on to the relay (:meth:`OutputRelay.resize`), which copies the
+console's new size to its pty, so the child's next ``TIOCGWINSZ`` (a progress bar's
+redraw) sees it.
 """
 
 from __future__ import annotations
@@ -114,10 +117,19 @@ def _open(kind: str, console: int) -> tuple[int, int]:
 #: is ignored by Python already.  A console is dropped only when it is gone (EPIPE,
 #: EIO, EBADF...); one that is merely full (EAGAIN, a non-blocking console) is waited for.
 _RELAY = """
-import os, select, signal, sys
+import fcntl, os, select, signal, sys, termios
 for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGTTOU", "SIGUSR1", "SIGUSR2"):
     signal.signal(getattr(signal, s), signal.SIG_IGN)
 pairs = dict(tuple(map(int, p.split(":"))) for p in sys.argv[1].split(","))
+def resize(*_):  # the supervisor's console was resized: its size to each pty
+    for r, console in list(pairs.items()):
+        try:
+            if os.isatty(r):
+                size = fcntl.ioctl(console, termios.TIOCGWINSZ, bytes(8))
+                fcntl.ioctl(r, termios.TIOCSWINSZ, size)
+        except OSError:
+            pass
+signal.signal(signal.SIGWINCH, resize)
 os.write(int(sys.argv[2]), b"r")
 writing = set(pairs.values())
 poll = select.poll()
@@ -166,6 +178,7 @@ class OutputRelay:
         self._pairs: list[tuple[int, int]] = []  # (read end, console)
         self._done: int | None = None  # EOF once the relay process exited
         self.pid: int | None = None
+        self._pty = False  # a stream is relayed through a pty (its size follows the console)
         same: dict[tuple[int, int], int] = {}  # console (dev, ino) -> child's end
         try:
             for console in RELAYED:
@@ -179,6 +192,7 @@ class OutputRelay:
                     self.child_fds.append(shared)
                     continue
                 read_end, child_end = _open(kind, console)
+                self._pty = self._pty or kind == "pty"
                 same[(st.st_dev, st.st_ino)] = child_end
                 self.child_fds.append(child_end)
                 self._pairs.append((read_end, console))
@@ -227,6 +241,15 @@ class OutputRelay:
                 os.close(done_w)
             self._close_read_ends()
         self.pid, self._done = pid, done_r
+
+    def resize(self) -> None:
+        """The console was resized (the supervisor got SIGWINCH): tell the relay, which
+        copies the new size to its pty (nothing for pipes, or without a relay)."""
+        if self.pid is not None and self._pty:
+            try:
+                os.kill(self.pid, signal.SIGWINCH)
+            except ProcessLookupError:
+                pass
 
     def release(self) -> None:
         """Close this process's copies of the child's ends (after the spawn)."""

@@ -4,7 +4,8 @@ The handlers record the signal number and nothing else (the loop decides, in its
 thread, what each one means: :mod:`ckrun.supervisor.intake`); ``signal.set_wakeup_fd``
 writes a byte to a non-blocking pipe so the loop's ``select`` returns at once instead of
 at the end of its tick (Python ``signal`` docs, "set_wakeup_fd").  SIGCHLD and USR2 only
-wake; HUP and QUIT (:data:`FORWARD`) are forwarded to the child's group.
+wake; HUP and QUIT (:data:`FORWARD`) are forwarded to the child's group; WINCH (the
+console was resized) goes to the output relay, which resizes the child's pty.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class SignalInbox:
                 time-limit USR1 just after completion) changes nothing.
         """
         sigs = {signal.SIGTERM, self.notice_sig, signal.SIGUSR2, signal.SIGCHLD, signal.SIGINT}
+        sigs.add(signal.SIGWINCH)
         sigs.update(FORWARD)
         old = {s: signal.signal(s, self._handler) for s in sigs}
         r, w = os.pipe()

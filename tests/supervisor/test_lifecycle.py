@@ -4,14 +4,17 @@ signals, a real pty, real mounts and the loopback AWS metadata server."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import pty
 import select
 import shlex
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -481,6 +484,43 @@ def test_the_script_sees_a_terminal_and_its_streams_stay_apart(tmp_path: Path) -
     assert b"out True False\r\n" in out, out
     assert b"err-line" not in out
     assert "err-line" in (tmp_path / "stderr.txt").read_text()
+
+
+def test_a_resized_terminal_resizes_the_scripts_terminal(tmp_path: Path) -> None:
+    """The terminal sends SIGWINCH to its foreground group (the supervisor's); the relay's
+    pty takes the new size, so the script's next size query (a progress bar) sees it."""
+    prog = (
+        "import os, time\n"
+        "seen, deadline = None, time.monotonic() + 30\n"
+        "while seen != (132, 50) and time.monotonic() < deadline:  # a redraw loop\n"
+        "    s = tuple(os.get_terminal_size(1))\n"
+        "    if s != seen:\n"
+        "        print(f'size {s[0]}x{s[1]}', flush=True)\n"
+        "        seen = s\n"
+        "    time.sleep(0.01)\n"
+    )
+    args = ["run", "--run", "winch", "--storage", "runs", "--", PY, "-c", prog]
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(tmp_path)
+        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        os.execve(PY, [PY, "-m", "ckrun.cli", *args], dict(os.environ, **FAST_ENV))
+    out = b""
+    while b"size 80x24" not in out:
+        out += os.read(fd, 4096)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 132, 0, 0))  # resized
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, wstatus = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.waitstatus_to_exitcode(wstatus) == 0, out
+    assert b"size 132x50\r\n" in out, out
 
 
 def _run_merged(tmp_path: Path, run: str, prog: str) -> subprocess.Popen[bytes]:
