@@ -453,6 +453,21 @@ def test_a_script_printing_into_the_closed_console_pipe_still_saves(tmp_path: Pa
     assert f"done {expected_w(400)}" in again.stdout, again.stdout
 
 
+def _finish_pty(pid: int, fd: int, out: bytes) -> tuple[bytes, int]:
+    """Read the pty ``fd`` of ``pid`` to its end after ``out``; its output and exit code."""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the last process of the pty's session closed it
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, wstatus = os.waitpid(pid, 0)
+    os.close(fd)
+    return out, os.waitstatus_to_exitcode(wstatus)
+
+
 def test_the_script_sees_a_terminal_and_its_streams_stay_apart(tmp_path: Path) -> None:
     """The relay keeps what the script saw before: a terminal console is relayed through
     a pseudo-terminal (the script still sees a tty: line-buffered output, progress bars)
@@ -470,17 +485,8 @@ def test_the_script_sees_a_terminal_and_its_streams_stay_apart(tmp_path: Path) -
         os.dup2(err, 2)  # stderr to a file: not relayed, the script gets the file
         os.execve(PY, [PY, "-m", "ckrun.cli", *args], dict(os.environ, **FAST_ENV))
     out = b""
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
-    _, wstatus = os.waitpid(pid, 0)
-    os.close(fd)
-    assert os.waitstatus_to_exitcode(wstatus) == 0, out
+    out, code = _finish_pty(pid, fd, out)
+    assert code == 0, out
     assert b"out True False\r\n" in out, out
     assert b"err-line" not in out
     assert "err-line" in (tmp_path / "stderr.txt").read_text()
@@ -509,17 +515,8 @@ def test_a_resized_terminal_resizes_the_scripts_terminal(tmp_path: Path) -> None
     while b"size 80x24" not in out:
         out += os.read(fd, 4096)
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 132, 0, 0))  # resized
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
-    _, wstatus = os.waitpid(pid, 0)
-    os.close(fd)
-    assert os.waitstatus_to_exitcode(wstatus) == 0, out
+    out, code = _finish_pty(pid, fd, out)
+    assert code == 0, out
     assert b"size 132x50\r\n" in out, out
 
 
