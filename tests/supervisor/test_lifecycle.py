@@ -484,8 +484,7 @@ def test_the_script_sees_a_terminal_and_its_streams_stay_apart(tmp_path: Path) -
         err = os.open(str(tmp_path / "stderr.txt"), os.O_WRONLY | os.O_CREAT, 0o644)
         os.dup2(err, 2)  # stderr to a file: not relayed, the script gets the file
         os.execve(PY, [PY, "-m", "ckrun.cli", *args], dict(os.environ, **FAST_ENV))
-    out = b""
-    out, code = _finish_pty(pid, fd, out)
+    out, code = _finish_pty(pid, fd, b"")
     assert code == 0, out
     assert b"out True False\r\n" in out, out
     assert b"err-line" not in out
