@@ -97,7 +97,28 @@ __all__ = [
 #: Seconds between two checks that the supervisor is alive.
 LIVENESS_INTERVAL_S = 1.0
 
-_flag = threading.Event()
+
+class _Flag:
+    """A set-once flag without a lock: set by the signal handler, which may interrupt the
+    main thread anywhere, also inside a set of this very flag (when ``notice.json`` is
+    seen as the signal lands).  A ``threading.Event`` there deadlocks: its set takes a
+    lock the interrupted frame already holds, and the handler waits on it forever.  A
+    bool's store and load are single operations under the GIL."""
+
+    def __init__(self) -> None:
+        self._on = False
+
+    def set(self) -> None:
+        self._on = True
+
+    def is_set(self) -> bool:
+        return self._on
+
+    def clear(self) -> None:
+        self._on = False
+
+
+_flag = _Flag()
 _received: list[int] = []
 _installed: set[int] = set()
 _handlers_pid: list[int] = []  # the process that installed them (a fork inherits them)

@@ -160,6 +160,35 @@ def test_drill_at_checks_per_attempt(tmp_path: Path) -> None:
         control.clear(str(tmp_path / "control"))
 
 
+REENTRANT = r"""
+import os, signal, sys
+from ckrun import control
+control.install_signal_handlers(force=True)
+fired = []
+def tracer(frame, event, arg):  # the notice signal lands while the flag is being set
+    name, where = frame.f_code.co_name, frame.f_code.co_filename
+    if event == "call" and not fired and (
+        name == "notify_all" or (name == "set" and where.endswith("control.py"))
+    ):
+        fired.append(name)
+        os.kill(os.getpid(), signal.SIGUSR1)
+sys.settrace(tracer)
+control._notice_reached()  # the main thread saw notice.json
+sys.settrace(None)
+print(fired, control.notice_pending(), control.received_signals(), flush=True)
+"""
+
+
+def test_the_notice_signal_during_the_flag_set_does_not_deadlock(tmp_path: Path) -> None:
+    """The supervisor writes notice.json and then signals: the main thread can be inside
+    the flag's set when the handler runs and sets it again (a threading.Event's lock
+    deadlocked there: no emergency save, the KILL at the deadline)."""
+    r = subprocess.run([sys.executable, "-c", REENTRANT], capture_output=True, text=True,
+                       timeout=20, env=dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path)))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("]", 1)[1].strip() == f"True [{int(signal.SIGUSR1)}]", r.stdout
+
+
 def test_the_control_channel_never_waits_for_the_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
