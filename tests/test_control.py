@@ -183,8 +183,9 @@ def test_the_notice_signal_during_the_flag_set_does_not_deadlock(tmp_path: Path)
     """The supervisor writes notice.json and then signals: the main thread can be inside
     the flag's set when the handler runs and sets it again (a threading.Event's lock
     deadlocked there: no emergency save, the KILL at the deadline)."""
+    env = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", REENTRANT], capture_output=True, text=True,
-                       timeout=20, env=dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path)))  # fmt: skip
+                       timeout=20, env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("]", 1)[1].strip() == f"True [{int(signal.SIGUSR1)}]", r.stdout
 
