@@ -86,6 +86,17 @@ stuck_in_save()
 """
 
 
+def _wait_asleep(pid: int, timeout_s: float = 10.0) -> None:
+    """Until ``pid``'s main thread has slept (state S) on two reads 50 ms apart."""
+    deadline, asleep = time.monotonic() + timeout_s, 0
+    while asleep < 2 and time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        asleep = asleep + 1 if state == b"S" else 0
+        time.sleep(0.05)
+    assert asleep >= 2, f"pid {pid} never slept"
+
+
 def test_a_process_past_the_grace_period_says_where_it_hangs(tmp_path: Path) -> None:
     env = dict(os.environ, CKRUN_CONTROL_DIR=str(tmp_path / "control"))
     (tmp_path / "stuck.py").write_text(STUCK)
@@ -95,6 +106,7 @@ def test_a_process_past_the_grace_period_says_where_it_hangs(tmp_path: Path) -> 
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     p.send_signal(signal.SIGUSR1)  # the notice: the flag is set, the "save" hangs
     assert p.stdout.readline().strip() == "saving"
+    _wait_asleep(p.pid)  # in stuck_in_save's wait, not still between the print and it
     control.write_escalation(str(tmp_path / "control"))
     os.killpg(p.pid, signal.SIGTERM)  # the grace period is over: TERM to the group
     _, err = p.communicate(timeout=20)
