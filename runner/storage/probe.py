@@ -298,6 +298,8 @@ def choose(root: str, *, may_probe: bool = True) -> WriterChoice:
         if c is None:
             try:
                 c = _probe_once(root, key)
+                if c.source == "deferred":  # skipped (a notice, a long wait): ask again later
+                    return c
             except ProbeDeferred as e:
                 log.info("writer probe for %s stopped (%s): direct:1", key, e)
                 return WriterChoice("direct", 1, "deferred")

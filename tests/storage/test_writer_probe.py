@@ -289,3 +289,22 @@ def test_ranks_of_one_machine_probe_once(tmp_path: Path) -> None:
     assert all(r.returncode == 0 for r in ranks), outs
     assert sorted(o.strip() for o, _ in outs) == ["cache", "cache", "cache", "probe"], outs
     assert sum("writer probe for" in e for _, e in outs) == 1, outs
+
+
+def test_a_wait_for_another_process_probe_that_ends_early_is_not_remembered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from filelock import FileLock
+
+    calls = _counted_probe(monkeypatch)
+    monkeypatch.setattr(probe, "PROBE_WAIT_S", 0.3)
+    st = LocalStorage(str(tmp_path / "run"))
+    os.makedirs(os.path.dirname(probe.cache_file()), exist_ok=True)
+    other = FileLock(probe.cache_file() + ".lock")  # another process probes, for long
+    other.acquire()
+    try:
+        c = st.writer_choice()
+        assert (c.label, c.source) == ("direct:1", "deferred") and calls == []
+    finally:
+        other.release()
+    assert st.writer_choice().source == "probe" and calls == [st.root]  # asked again
