@@ -312,6 +312,8 @@ class Checkpointer(SaveMethods, AsyncMethods):
             load_dcp(state, from_dcp)
             log.info("no checkpoint in %s: state seeded from DCP %s", self.storage.url, from_dcp)
         report_training_start(m, time.monotonic() - t0, self.rank)
+        if m is not None:  # retention now, in the background: an attempt stopped by a
+            pipeline.retain_later(self._ctx, m)  # notice before it saves still retains
         return m
 
     def latest(self) -> Manifest | None:

@@ -371,7 +371,7 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
         return
     if m.kind != ManifestKind.FINAL and notice_pending():
         # deletes can wait: a notice's save and exit must not wait for their directory
-        # fsyncs (seconds on a busy disk); the next attempt's first save retains (a full
+        # fsyncs (seconds on a busy disk); the next attempt retains when it loads (a full
         # pass: its ledger is new), and nothing is lost by keeping more checkpoints
         log.info("retention after step %d left to the next attempt: a notice is pending", m.step)
         return
@@ -393,6 +393,7 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
             # runs (no supervisor) have no stale owners and no monotonic attempts
             attempt=ctx.attempt if ctx.lease_epoch is not None else None,
             ledger=ctx.ledger,
+            stop=None if m.kind == ManifestKind.FINAL else notice_pending,
         )
         ctx.verified -= set(plan.manifests)
     except StorageError as e:

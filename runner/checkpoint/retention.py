@@ -25,7 +25,7 @@ checkpoints changed by hand are seen again).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckrun.checkpoint import layout
@@ -169,14 +169,27 @@ class Ledger:
         return self.stale or self.passes >= FULL_PASS_EVERY - 1
 
 
-def apply(storage: Storage, p: Plan, *, sweep: bool = True) -> None:
+def apply(
+    storage: Storage, p: Plan, *, sweep: bool = True, stop: Callable[[], bool] | None = None
+) -> bool:
     """Delete the plan's manifests, then its shards (through the storage's ``retire``
     where it has one: a two-tier storage keeps what its running upload reads); with
-    ``sweep``, sweep stale local temp files."""
+    ``sweep``, sweep stale local temp files.
+
+    Args:
+        stop: asked after the manifests are deleted; True leaves the shards (and the
+            sweep) to a later full pass (a notice came: the emergency save goes first).
+
+    Returns:
+        False when ``stop`` cut the pass short.
+    """
     retire = getattr(storage, "retire", None)
     delete = retire if callable(retire) else storage.delete
     if p.manifests:
         delete(p.manifests)
+    if stop is not None and stop():
+        log.info("retention stopped after %d manifests: a notice is pending", len(p.manifests))
+        return False
     if p.shards:
         delete(p.shards)
     sweeper = getattr(storage, "sweep_temp", None) if sweep else None
@@ -186,6 +199,7 @@ def apply(storage: Storage, p: Plan, *, sweep: bool = True) -> None:
         log.info(
             "retention removed %d checkpoints and %d shard files", len(p.manifests), len(p.shards)
         )
+    return True
 
 
 def retain_after(
@@ -197,6 +211,7 @@ def retain_after(
     protect: Iterable[int],
     attempt: int | None = None,
     ledger: Ledger | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> Plan:
     """One retention pass after committing ``m``: :func:`plan` over what
     :func:`ckrun.checkpoint.discovery.scan` finds (steps with an invalid manifest left
@@ -204,7 +219,7 @@ def retain_after(
 
     With a ``ledger`` (the writer's own, module docstring) the pass decides from the
     ledger plus ``m`` when no full pass is due, and a full pass refreshes the ledger; a
-    failed pass leaves it stale.
+    failed pass, or one ``stop`` cut short (:func:`apply`), leaves it stale.
 
     Returns:
         The plan applied.
@@ -214,7 +229,7 @@ def retain_after(
             the next pass retries).
     """
     if ledger is None or ledger.full_pass_due():
-        return _full_pass(storage, m, keep_last, milestone_every, protect, attempt, ledger)
+        return _full_pass(storage, m, keep_last, milestone_every, protect, attempt, ledger, stop)
     ledger.stale = True  # until this pass has applied its plan
     if m.area == "checkpoints" and m.key:
         ledger.manifests[m.key] = m
@@ -228,9 +243,11 @@ def retain_after(
         attempt=attempt,
         orphans=ledger.deferred,
     )
-    apply(storage, chosen, sweep=False)
+    done = apply(storage, chosen, sweep=False, stop=stop)
     for k in chosen.manifests:
         ledger.manifests.pop(k, None)
+    if not done:
+        return chosen  # the ledger stays stale: the next pass lists and collects
     ledger.deferred = chosen.deferred
     ledger.stale, ledger.passes = False, ledger.passes + 1
     return chosen
@@ -244,6 +261,7 @@ def _full_pass(
     protect: Iterable[int],
     attempt: int | None,
     ledger: Ledger | None,
+    stop: Callable[[], bool] | None = None,
 ) -> Plan:
     """The pass over the listed area (:func:`retain_after`); refreshes ``ledger``."""
     if ledger is not None:
@@ -259,7 +277,8 @@ def _full_pass(
         broken_steps=broken,
         attempt=attempt,
     )
-    apply(storage, chosen)
+    if not apply(storage, chosen, stop=stop):
+        return chosen  # the ledger stays stale
     if ledger is not None:
         dropped = set(chosen.manifests)
         ledger.manifests = {
