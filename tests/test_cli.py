@@ -208,3 +208,21 @@ def test_runs_on_a_bucket_it_cannot_list_says_why(tmp_path: Path) -> None:
     assert r.returncode == 5, r.stdout + r.stderr  # a storage error, not "no runs"
     assert "cannot list the runs in s3://ckrun-no-such-bucket/runs" in r.stderr
     assert "no AWS credentials" in r.stderr and "no runs under" not in r.stdout
+
+
+def test_runs_refuses_a_storage_scheme_it_does_not_know(tmp_path: Path) -> None:
+    r = cli(["runs", "--storage", "gs://bucket/runs"], tmp_path)
+    assert r.returncode != 0 and "no runs under" not in r.stdout
+    assert "--storage gs://bucket/runs" in r.stderr and "s3://BUCKET/PREFIX" in r.stderr
+
+
+def test_runs_lists_only_the_runs_of_its_base_from_a_shared_state_dir(tmp_path: Path) -> None:
+    env = dict(os.environ, CKRUN_STATE_DIR=str(tmp_path / "state"))  # one for both bases
+    for run, base in (("r1", "a"), ("r2", "b")):
+        r = cli(["run", "--run", run, "--storage", base, "--", sys.executable, "-c", "pass"],
+                tmp_path, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    for base, run in (("a", "r1"), ("b", "r2")):
+        r = cli(["runs", "--storage", base, "--json"], tmp_path, env=env)
+        assert r.returncode == 0, r.stderr
+        assert [x["run"] for x in json.loads(r.stdout)] == [run]

@@ -53,11 +53,11 @@ def list_runs(base: str, *, warn: Callable[[str], None] | None = None) -> list[d
     from ckrun.supervisor.rundir import RunDir
 
     cfg = located_config("x", base)  # the base's configuration (any valid run name)
-    state_base = os.path.dirname(cfg.state_root)
+    state_base = os.path.dirname(cfg.state_root)  # a state_dir may hold other bases' runs
     names = {
         n
         for n in (os.listdir(state_base) if os.path.isdir(state_base) else [])
-        if RunDir(os.path.join(state_base, n)).exists()
+        if _stored_on(RunDir(os.path.join(state_base, n)), cfg.storage)
     }
     try:
         names.update(stored_run_names(cfg))
@@ -74,8 +74,8 @@ def list_runs(base: str, *, warn: Callable[[str], None] | None = None) -> list[d
         s = summarize(rd)
         evs = merge_events(read_events(rd.events_path), stored_events(run_storage(rd)))
         last = stamp(evs[-1]) if evs else None
-        if last is None:
-            last = os.path.getmtime(rd.run_json) if os.path.exists(rd.run_json) else now
+        if last is None and os.path.exists(rd.run_json):
+            last = os.path.getmtime(rd.run_json)
         rows.append(
             {
                 "run": s["run"] or name,
@@ -83,10 +83,25 @@ def list_runs(base: str, *, warn: Callable[[str], None] | None = None) -> list[d
                 "attempts": s["attempts"],
                 "step": s["last_committed_step"],
                 "goodput": s["goodput"],
-                "age_s": round(max(0.0, now - last), 3),
+                "age_s": None if last is None else round(max(0.0, now - last), 3),
             }
         )
     return rows
+
+
+def _stored_on(rd: Any, storage: str) -> bool:
+    """Whether the run whose state is in ``rd`` was frozen with the storage base
+    ``storage`` (local paths compared absolute, URLs without a trailing slash)."""
+    if not rd.exists():
+        return False
+    cfg = rd.load_config()
+
+    def norm(u: str) -> str:
+        return u.rstrip("/") if "://" in u and not u.startswith("file://") else (
+            os.path.abspath(u.removeprefix("file://"))
+        )  # fmt: skip
+
+    return cfg is not None and norm(cfg.storage) == norm(storage)
 
 
 @click.command("runs")
@@ -102,6 +117,12 @@ def runs(storage: str | None, as_json: bool) -> None:
     from ckrun.config import is_local_storage, resolve
 
     base = resolve("local", {"storage": storage} if storage else {}).storage
+    if "://" in base and not base.startswith(("s3://", "file://")):
+        raise UsageError(
+            f"--storage {base}: ckrun stores runs in a directory (or file://) or on S3 "
+            "(s3://BUCKET/PREFIX); other object stores (GCS, MinIO) through their "
+            "S3-compatible API: s3:// with the profile key endpoint_url"
+        )
     if is_local_storage(base):
         base = os.path.abspath(base.removeprefix("file://"))
     problems: list[str] = []
@@ -123,7 +144,7 @@ def runs(storage: str | None, as_json: bool) -> None:
         step = "-" if r["step"] is None else str(r["step"])
         click.echo(
             f"{r['run']:<{width}}  {r['state']:<15} {r['attempts']:>8} {step:>8} {gp:>8} "
-            f"{_age(r['age_s'])}"
+            f"{'-' if r['age_s'] is None else _age(r['age_s'])}"
         )
     click.echo(f"(under {base}; `ckrun status RUN --storage {base}` for one run)")
 

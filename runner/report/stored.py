@@ -41,11 +41,14 @@ def stored_run_names(cfg: RunConfig) -> list[str]:
     """The runs under the storage base ``cfg.storage`` whose storage holds their record
     (``supervisor/state.json``) or a lease: the runs any machine ran there, whether or
     not this one keeps state for them (a local base that does not exist has none).  On
-    S3 one listing of the base (every key under it, paginated).
+    S3: one listing of the names below the base (``Delimiter``), then a ``HEAD`` or two
+    per name; the checkpoints' objects are never listed.
 
     Raises:
         ckrun.errors.StorageError: the base cannot be listed (credentials, network).
     """
+    from ckrun.storage.s3 import S3Storage
+
     kept = (layout.RUN_STATE, layout.LEASE)
     base = cfg.storage
     if not base.startswith("s3://"):
@@ -53,8 +56,8 @@ def stored_run_names(cfg: RunConfig) -> list[str]:
         names = os.listdir(d) if os.path.isdir(d) else []
         return sorted(n for n in names if any(os.path.isfile(os.path.join(d, n, k)) for k in kept))
     st = _open_readonly(base, cfg)
-    keys = [o.key.partition("/") for o in st.list("")] if st is not None else []
-    return sorted({name for name, _, rest in keys if rest in kept})
+    assert isinstance(st, S3Storage)
+    return [n for n in st.child_names() if any(st.head(f"{n}/{k}") is not None for k in kept)]
 
 
 def _open_readonly(root: str, cfg: RunConfig) -> Storage | None:

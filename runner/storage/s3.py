@@ -316,6 +316,30 @@ class S3Storage:
             return None
         return ObjectInfo(key, int(r["ContentLength"]), r["LastModified"].timestamp())
 
+    def child_names(self, prefix: str = "") -> builtins.list[str]:
+        """The names one level below ``prefix`` (``list_objects_v2`` with ``Delimiter="/"``:
+        the common prefixes, without the objects under them), sorted.
+
+        Raises:
+            StorageError: the listing failed (mapped as :meth:`list`).
+        """
+        root = f"{self.prefix}/" if self.prefix else ""
+        start = root + prefix
+        out: builtins.list[str] = []
+        pages = self._client.get_paginator("list_objects_v2")
+        try:
+            for page in pages.paginate(Bucket=self.bucket, Prefix=start, Delimiter="/"):
+                for p in page.get("CommonPrefixes", []):
+                    out.append(p["Prefix"][len(start) :].rstrip("/"))
+        except Exception as exc:
+            raise map_s3_error(
+                exc,
+                op="list_objects_v2",
+                url=f"{self.url}/{prefix}",
+                endpoint=self._client.meta.endpoint_url,
+            ) from exc
+        return sorted(out)
+
     def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted by key."""
         root = f"{self.prefix}/" if self.prefix else ""
