@@ -25,7 +25,7 @@ import builtins
 import os
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import IO, Any
 
 from ckrun.errors import (
@@ -316,50 +316,47 @@ class S3Storage:
             return None
         return ObjectInfo(key, int(r["ContentLength"]), r["LastModified"].timestamp())
 
+    def _pages(self, prefix: str, **kw: Any) -> Iterator[dict[str, Any]]:
+        """The pages of ``list_objects_v2`` under ``prefix`` (after the storage's own
+        prefix), errors mapped to ``StorageError``."""
+        try:
+            pages = self._client.get_paginator("list_objects_v2")
+            yield from pages.paginate(Bucket=self.bucket, Prefix=self._root + prefix, **kw)
+        except Exception as exc:
+            raise map_s3_error(
+                exc,
+                op="list_objects_v2",
+                url=f"{self.url}/{prefix}",
+                endpoint=self._client.meta.endpoint_url,
+            ) from exc
+
+    @property
+    def _root(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
     def child_names(self, prefix: str = "") -> builtins.list[str]:
         """The names one level below ``prefix`` (``list_objects_v2`` with ``Delimiter="/"``:
         the common prefixes, without the objects under them), sorted.
 
         Raises:
-            StorageError: the listing failed (mapped as :meth:`list`).
+            StorageError: the listing failed.
         """
-        root = f"{self.prefix}/" if self.prefix else ""
-        start = root + prefix
-        out: builtins.list[str] = []
-        pages = self._client.get_paginator("list_objects_v2")
-        try:
-            for page in pages.paginate(Bucket=self.bucket, Prefix=start, Delimiter="/"):
-                for p in page.get("CommonPrefixes", []):
-                    out.append(p["Prefix"][len(start) :].rstrip("/"))
-        except Exception as exc:
-            raise map_s3_error(
-                exc,
-                op="list_objects_v2",
-                url=f"{self.url}/{prefix}",
-                endpoint=self._client.meta.endpoint_url,
-            ) from exc
-        return sorted(out)
+        start = self._root + prefix
+        names = (
+            p["Prefix"][len(start) :].rstrip("/")
+            for page in self._pages(prefix, Delimiter="/")
+            for p in page.get("CommonPrefixes", [])
+        )
+        return sorted(names)
 
     def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted by key."""
-        root = f"{self.prefix}/" if self.prefix else ""
-        out: builtins.list[ObjectInfo] = []
-        pages = self._client.get_paginator("list_objects_v2")
-        try:
-            for page in pages.paginate(Bucket=self.bucket, Prefix=root + prefix):
-                for o in page.get("Contents", []):
-                    out.append(
-                        ObjectInfo(
-                            o["Key"][len(root) :], int(o["Size"]), o["LastModified"].timestamp()
-                        )
-                    )
-        except Exception as exc:
-            raise map_s3_error(
-                exc,
-                op="list_objects_v2",
-                url=f"{self.url}/{prefix}",
-                endpoint=self._client.meta.endpoint_url,
-            ) from exc
+        n = len(self._root)
+        out = [
+            ObjectInfo(o["Key"][n:], int(o["Size"]), o["LastModified"].timestamp())
+            for page in self._pages(prefix)
+            for o in page.get("Contents", [])
+        ]
         return sorted(out, key=lambda i: i.key)
 
     def delete(self, keys: Iterable[str]) -> None:
