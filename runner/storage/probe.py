@@ -169,6 +169,8 @@ def _time_write(root: str, mode: str, depth: int, nbytes: int) -> float:
             if _deferred:  # a notice came during the probe: the save goes first
                 raise ProbeDeferred(_deferred[0])
             done += w.write(chunk)
+        if _deferred:  # nor its fsync of up to PROBE_BYTES
+            raise ProbeDeferred(_deferred[0])
         w.commit()  # fsync + rename + directory fsync, as for a shard
         return time.perf_counter() - t
     finally:
