@@ -3,9 +3,10 @@
 :mod:`ckrun.control_files`, whose names this module re-exports (``ckrun.control.write_notice``,
 ``read_exit_reason``, ... keep working).
 
-Child side (the training process): :func:`install_signal_handlers` makes SIGTERM and the
-notice signal (``CKRUN_NOTICE_SIGNAL``, default SIGUSR1) only set a flag, so the save runs
-at the next step boundary instead of inside a signal handler;
+Child side (the training process): :func:`install_signal_handlers`
+(:mod:`ckrun.notice_signals`) makes SIGTERM and the notice signal (``CKRUN_NOTICE_SIGNAL``,
+default SIGUSR1) only set a flag, so the save runs at the next step boundary instead of
+inside a signal handler;
 :func:`preemption_requested` returns True once a notice has arrived by signal or by
 ``notice.json``.  With ``sync=True`` the flag is all-reduced (MAX) over the default
 ``torch.distributed`` process group so every rank stops at the same step; a rank that
@@ -50,15 +51,13 @@ Environment read here: ``CKRUN_CONTROL_DIR``, ``CKRUN_NOTICE_SIGNAL``,
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FrameType
 
+from ckrun import notice_signals
 from ckrun.control_files import (
     ESCALATE_FILE,
     EXIT_REASON_BYTES,
@@ -78,9 +77,14 @@ from ckrun.control_files import (
     write_exit_reason,
     write_notice,
 )
+from ckrun.notice_signals import (
+    dump_stacks,
+    install_signal_handlers,
+    notice_signal,
+    received_signals,
+    shield_from_dataloader_workers,
+)
 from ckrun.notices import Notice
-from ckrun.procs import set_parent_death_signal
-from ckrun.storage import probe
 from ckrun.storage.fsutil import write_json_atomic
 
 __all__ = [
@@ -98,46 +102,13 @@ __all__ = [
 LIVENESS_INTERVAL_S = 1.0
 
 
-class _Flag:
-    """A set-once flag without a lock: set by the signal handler, which may interrupt the
-    main thread anywhere, also inside a set of this very flag (when ``notice.json`` is
-    seen as the signal lands).  A ``threading.Event`` there deadlocks: its set takes a
-    lock the interrupted frame already holds, and the handler waits on it forever.  A
-    bool's store and load are single operations under the GIL."""
-
-    def __init__(self) -> None:
-        self._on = False
-
-    def set(self) -> None:
-        self._on = True
-
-    def is_set(self) -> bool:
-        return self._on
-
-    def clear(self) -> None:
-        self._on = False
-
-
-_flag = _Flag()
-_received: list[int] = []
-_installed: set[int] = set()
-_handlers_pid: list[int] = []  # the process that installed them (a fork inherits them)
+_flag = notice_signals.flag  # also ckrun.control._flag: tests set it as the handler does
+_notice_reached = notice_signals.notice_reached
 _checks = [0]  # calls of preemption_requested() in this process
 _hooks: list[Callable[[], None]] = []  # run at every check (per-step digests)
 _liveness = [0.0]  # monotonic time of the last supervisor liveness check
 _marked: list[str] = []  # how this process's training start was marked (at most one)
 _peer_told = threading.Event()  # this process left its peer notice
-
-
-def notice_signal() -> signal.Signals:
-    """The notice signal configured for this run (``CKRUN_NOTICE_SIGNAL``, default USR1)."""
-    name = os.environ.get("CKRUN_NOTICE_SIGNAL", "SIGUSR1").upper()
-    if not name.startswith("SIG"):
-        name = "SIG" + name
-    try:
-        return signal.Signals[name]
-    except KeyError:
-        return signal.SIGUSR1
 
 
 def mark_training(how: str) -> None:
@@ -197,105 +168,6 @@ def supervisor_gone() -> bool:
     except PermissionError:
         return False
     return False
-
-
-_pdeath_set: list[int] = []
-
-
-def _follow_parent() -> None:
-    """Under a supervisor, die (SIGTERM: a notice) with the parent, once per process."""
-    pid = os.getpid()
-    if control_dir() and os.environ.get("CKRUN_SUPERVISOR_PID") and pid not in _pdeath_set:
-        _pdeath_set.append(pid)
-        set_parent_death_signal(signal.SIGTERM)
-
-
-def _shield_from_dataloader_workers() -> None:
-    """Keep DataLoader worker deaths from killing the process before its save.
-
-    torch's DataLoader workers die on any SIGTERM that their parent did not send (a
-    scheduler signalling the whole process group, ``kill -TERM -PGID``), and the SIGCHLD
-    handler the DataLoader installs then raises in the training process at once.  Once a
-    notice has arrived, the workers are expendable: restoring the default SIGCHLD action
-    lets the process reach its emergency save (the iterator fails only if used again).
-    """
-    h = signal.getsignal(signal.SIGCHLD)
-    if callable(h) and str(getattr(h, "__module__", "")).startswith("torch.utils.data"):
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        except ValueError:  # not the main thread
-            pass
-
-
-def dump_stacks(fd: int = 2) -> None:
-    """Write where every thread of this process is to ``fd``: a header naming the pid,
-    then :func:`faulthandler.dump_traceback` (file, line and function of each frame,
-    most recent first; at most 100 threads of 100 frames).  Used when the supervisor's
-    grace period is over and the process has not exited.
-
-    Safe inside a signal handler: no lock is taken and no source file is read (a file
-    on the hung mount would hang the dump), and the text goes straight to ``fd``, not
-    through ``sys.stderr`` (whose buffer the interrupted code may hold).  It runs where
-    Python runs the handler: a main thread blocked in uninterruptible I/O or in C code
-    that never checks for signals prints nothing and is ended by the KILL that follows.
-    Best effort: an error writing it is ignored.
-    """
-    try:
-        os.write(fd, (
-            f"ckrun: pid {os.getpid()} did not exit within the supervisor's grace period; "
-            "where its threads were (most recent call first):\n"
-        ).encode())  # fmt: skip
-        faulthandler.dump_traceback(fd, all_threads=True)
-    except (OSError, ValueError, RuntimeError):
-        pass
-
-
-def _notice_reached() -> None:
-    """Set the preemption flag; from now on no writer probe runs in this process (its
-    144 MiB of writes would come out of the emergency save's deadline,
-    :func:`ckrun.storage.probe.defer_probes`).  Safe in a signal handler."""
-    _flag.set()
-    probe.defer_probes("a preemption notice is pending")
-
-
-def _handler(signum: int, frame: FrameType | None) -> None:
-    cdir = control_dir()
-    if signum == signal.SIGTERM and cdir and os.path.exists(os.path.join(cdir, ESCALATE_FILE)):
-        if _handlers_pid and _handlers_pid[0] == os.getpid():  # not a forked worker
-            dump_stacks()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    _received.append(signum)
-    _notice_reached()
-    _shield_from_dataloader_workers()
-
-
-def install_signal_handlers(force: bool = False) -> bool:
-    """Make SIGTERM, the notice signal and SIGHUP set the preemption flag.
-
-    SIGHUP is what the supervisor forwards when its terminal hangs up (an SSH session
-    that drops under a foreground ``ckrun submit``); by default it would end the process
-    at once and lose the work since the last checkpoint, so it is a notice here too.
-
-    Installed only in the main thread, and only when running under the supervisor
-    (``CKRUN_CONTROL_DIR`` set) unless ``force``: outside the supervisor nobody would
-    escalate, and a swallowed SIGTERM would keep the process alive.
-
-    Returns:
-        True when the handlers are installed (now or earlier).
-    """
-    if not (force or control_dir()):
-        return False
-    _follow_parent()
-    if threading.current_thread() is not threading.main_thread():
-        return bool(_installed)
-    for sig in (signal.SIGTERM, notice_signal(), signal.SIGHUP):
-        if sig not in _installed:
-            signal.signal(sig, _handler)
-            _installed.add(sig)
-    _handlers_pid[:] = [os.getpid()]  # a process that checks the flag itself
-    return True
 
 
 def _drill_due() -> bool:
@@ -358,7 +230,7 @@ def _local_flag() -> bool:
     cdir = control_dir()
     if cdir and os.path.exists(os.path.join(cdir, NOTICE_FILE)):
         _notice_reached()
-        _shield_from_dataloader_workers()
+        shield_from_dataloader_workers()
         return True
     return False
 
@@ -411,39 +283,15 @@ def record_notice_save(step: int) -> None:
         write_exit_reason("preempted", 75, f"checkpoint step {step} committed after the notice")
 
 
-def received_signals() -> list[int]:
-    """Signal numbers received by the handler so far (for logs and tests)."""
-    return list(_received)
-
-
 def reset_for_tests() -> None:
     """Clear the flag (tests only)."""
     _flag.clear()
     _peer_told.clear()
-    _received.clear()
+    notice_signals.received.clear()
     _checks[0] = 0
     _marked.clear()
     _liveness[0] = 0.0
 
 
-def _catch_notice_early() -> None:
-    """Under a supervisor, catch the notice signal from ``import ckrun`` on.
-
-    The supervisor delivers a notice as SIGTERM when no process catches the notice
-    signal (a script without the library); a library user that is still importing
-    torch when the notice comes must not be taken for one.  Only the notice signal:
-    SIGTERM keeps its default until :func:`install_signal_handlers`, so a script that
-    imports ckrun but never checks the flag still stops on TERM.
-    """
-    if not (control_dir() and os.environ.get("CKRUN_SUPERVISOR_PID")):
-        return
-    if threading.current_thread() is not threading.main_thread():
-        return
-    sig = notice_signal()
-    if sig not in _installed and signal.getsignal(sig) is signal.SIG_DFL:
-        signal.signal(sig, _handler)
-        _installed.add(sig)
-
-
-_follow_parent()  # at import: a torchrun worker or a wrapped script follows its parent
-_catch_notice_early()
+notice_signals.follow_parent()  # at import: a torchrun worker or a wrapped script follows
+notice_signals.catch_notice_early()  # its parent; the notice signal is caught at once

@@ -173,14 +173,15 @@ def test_drill_at_checks_per_attempt(tmp_path: Path) -> None:
 
 
 REENTRANT = r"""
-import os, signal, sys
+import os, signal, sys, threading
 from ckrun import control
 control.install_signal_handlers(force=True)
 fired = []
 def tracer(frame, event, arg):  # the notice signal lands while the flag is being set
-    name, where = frame.f_code.co_name, frame.f_code.co_filename
+    name, me = frame.f_code.co_name, frame.f_locals.get("self")
     if event == "call" and not fired and (
-        name == "notify_all" or (name == "set" and where.endswith("control.py"))
+        name == "notify_all"  # a threading.Event's set, holding its lock
+        or (name == "set" and me is control._flag and not isinstance(me, threading.Event))
     ):
         fired.append(name)
         os.kill(os.getpid(), signal.SIGUSR1)

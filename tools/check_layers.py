@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # procs: fork/exec into a new session and prctl(2), shared by scheduler and supervisor
     ("errors/notices", ("errors", "notices", "version", "options", "enums", "procs")),
     ("storage", ("storage",)),  # fsutil lives here: control writes its files with it
-    ("control/runlog", ("control", "control_files", "runlog")),
+    ("control/runlog", ("control", "control_files", "notice_signals", "runlog")),
     ("checkpoint", ("checkpoint",)),
     ("integrations", ("integrations",)),  # framework callbacks over checkpoint (issue 15)
     ("cloud/scheduler", ("cloud", "scheduler")),

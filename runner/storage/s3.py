@@ -29,7 +29,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import IO, Any
 
 from ckrun.errors import (
-    ConfigError,
     ObjectNotFound,
     StorageError,
     map_os_error,
@@ -37,26 +36,9 @@ from ckrun.errors import (
 from ckrun.storage.base import ObjectInfo, validate_key
 from ckrun.storage.progress import Progress
 from ckrun.storage.s3_client import make_client, map_s3_error
-from ckrun.storage.s3_options import MiB, S3Options
+from ckrun.storage.s3_options import MiB, S3Options, parse_s3_url
 from ckrun.storage.s3_read import ResumableReader, download_verified
 from ckrun.storage.s3_transfer import CRC_META, RateLimiter, S3Writer
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b/`` → (``bucket``, ``a/b``).
-
-    Raises:
-        ConfigError: not an ``s3://`` URL, or no bucket, or an invalid prefix.
-    """
-    if not url.startswith("s3://"):
-        raise ConfigError(f"{url!r} is not an s3:// URL: use s3://bucket/prefix")
-    bucket, _, prefix = url[5:].partition("/")
-    prefix = prefix.strip("/")
-    if not bucket:
-        raise ConfigError(f"{url!r} names no bucket: use s3://bucket/prefix")
-    if prefix:
-        validate_key(prefix)
-    return bucket, prefix
 
 
 class S3Storage:
@@ -399,8 +381,7 @@ class S3Storage:
             the number aborted.  (A bucket lifecycle rule
             ``AbortIncompleteMultipartUpload`` does the same server-side.)
         """
-        root = f"{self.prefix}/" if self.prefix else ""
-        r = self.call("list_multipart_uploads", "", Prefix=root)
+        r = self.call("list_multipart_uploads", "", Prefix=self._root)
         n = 0
         for u in r.get("Uploads", []):
             if time.time() - u["Initiated"].timestamp() >= older_than_s:

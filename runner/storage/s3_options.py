@@ -1,5 +1,6 @@
-"""Profile keys of the S3 backend (:class:`S3Options`), shared by the storage and its
-transfers (:mod:`ckrun.storage.s3`, :mod:`ckrun.storage.s3_transfer`)."""
+"""Profile keys of the S3 backend (:class:`S3Options`) and its URLs (:func:`parse_s3_url`),
+shared by the storage and its transfers (:mod:`ckrun.storage.s3`,
+:mod:`ckrun.storage.s3_transfer`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 from ckrun.errors import ConfigError
 from ckrun.options import coerce_fields
+from ckrun.storage.base import validate_key
 
-__all__ = ["MiB", "S3Options"]
+__all__ = ["MiB", "S3Options", "parse_s3_url"]
 
 MiB = 1024 * 1024
 
@@ -89,3 +91,20 @@ class S3Options:
         """Options from ``CKRUN_<KEY>`` variables (``CKRUN_ENDPOINT_URL``, ...)."""
         env = os.environ if environ is None else environ
         return cls.from_mapping({f.name: env.get("CKRUN_" + f.name.upper()) for f in fields(cls)})
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b/`` → (``bucket``, ``a/b``).
+
+    Raises:
+        ConfigError: not an ``s3://`` URL, or no bucket, or an invalid prefix.
+    """
+    if not url.startswith("s3://"):
+        raise ConfigError(f"{url!r} is not an s3:// URL: use s3://bucket/prefix")
+    bucket, _, prefix = url[5:].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket:
+        raise ConfigError(f"{url!r} names no bucket: use s3://bucket/prefix")
+    if prefix:
+        validate_key(prefix)
+    return bucket, prefix

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ckrun.supervisor.messages import LeaderExited
 from ckrun.supervisor.ports import Clock, ProcessTable
@@ -75,6 +76,20 @@ class AttemptChild:
             except Exception:  # noqa: BLE001
                 self._waits = None
             self.procs.signal_session(self.current, signal.SIGTERM)
+
+    def annotate(self, kind: str, msg: str, fields: dict[str, Any], notice_sig: str) -> str:
+        """``msg`` of a ``notice`` or ``escalate`` log line with what the delivery or the
+        escalation found (the pids signalled with ``notice_sig``; where the processes
+        were), each reported once; the same go into ``fields``."""
+        sent = self.take_delivered() if kind == "notice" else None
+        if sent is not None:
+            fields["signalled_pids"] = sent
+            msg += f", {notice_sig} to {len(sent)} process(es)"
+        waits = self.take_waits() if kind == "escalate" else None
+        if waits:  # a thread in D: a storage stall; all in S futex: a lock or a thread
+            fields["waits"] = waits
+            msg += "; where its processes were: " + " | ".join(waits)
+        return msg
 
     def take_waits(self) -> list[str] | None:
         """Where the processes were at the last escalation, not yet reported (once)."""

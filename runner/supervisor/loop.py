@@ -43,6 +43,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from functools import partial
 from signal import Signals
 from typing import IO, Any
 
@@ -336,14 +337,7 @@ class Supervisor:
             dl = utcnow() + dt.timedelta(seconds=float(fields["seconds_left"]))
             fields["deadline_utc"] = dl.isoformat(timespec="seconds").replace("+00:00", "Z")
             msg += f", deadline {dl:%H:%M:%S}Z"
-        sent = self.kid.take_delivered() if a.kind == "notice" else None
-        if sent is not None:
-            fields["signalled_pids"] = sent
-            msg += f", {self._notice_sig().name} to {len(sent)} process(es)"
-        waits = self.kid.take_waits() if a.kind == "escalate" else None
-        if waits:  # a thread in D: a storage stall; all in S futex: a lock or a thread
-            fields["waits"] = waits
-            msg += "; where its processes were: " + " | ".join(waits)
+        msg = self.kid.annotate(a.kind, msg, fields, self._notice_sig().name)
         self.say(msg)
         step = fields.pop("step", None)
         seconds = fields.pop("seconds", None)
@@ -378,15 +372,12 @@ class Supervisor:
             self.runstate.update(attempts=attempt + 1)
         return launch.child_env(self.cfg, self.rundir, attempt, resume_step, epoch)
 
-    def _hold(self, attempt: int) -> None:
-        if self.lock is not None:
-            self.lock.update(attempt=attempt)
-
     def _spawn(self, a: sm.Spawn) -> sm.Event | None:
         self._try("clear control/", clear_control, self.rundir.control_dir)
         reserve_exit_reason(self.rundir.control_dir)
         self.events.attempt = a.attempt
-        self._try("update the lock holder", self._hold, a.attempt)
+        if self.lock is not None:
+            self._try("update the lock holder", partial(self.lock.update, attempt=a.attempt))
         try:
             command = own_checkpoint.restore_command(
                 self.watched,
