@@ -312,8 +312,11 @@ class Checkpointer(SaveMethods, AsyncMethods):
             load_dcp(state, from_dcp)
             log.info("no checkpoint in %s: state seeded from DCP %s", self.storage.url, from_dcp)
         report_training_start(m, time.monotonic() - t0, self.rank)
-        if m is not None:  # retention now, in the background: an attempt stopped by a
-            pipeline.retain_later(self._ctx, m)  # notice before it saves still retains
+        if m is not None and self._ctx.lease_epoch is not None:
+            # under a supervisor (a fenced writer), retention now, in the background: an
+            # attempt stopped by a notice before it saves still retains; a script outside
+            # one (an evaluation) never deletes anything by loading
+            pipeline.retain_later(self._ctx, m)
         return m
 
     def latest(self) -> Manifest | None:

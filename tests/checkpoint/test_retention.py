@@ -222,13 +222,19 @@ def _steps(root: str) -> list[int]:
     return sorted(int(k.split("step-")[1][:10]) for k in keys if k.endswith(".json"))
 
 
-def test_a_save_under_a_notice_leaves_retention_to_the_next_attempt(tmp_path: Path) -> None:
+def test_a_save_under_a_notice_leaves_retention_to_the_next_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Deletes fsync directories (seconds on a busy disk): under a notice the emergency
-    save and the exit do not wait for them.  The next attempt retains when it loads, so
-    attempts that are all stopped by a notice before a periodic save do not pile up."""
+    save and the exit do not wait for them.  The next attempt (a fenced writer, under a
+    supervisor) retains when it loads, so attempts that are all stopped by a notice
+    before a periodic save do not pile up."""
     from ckrun import control
 
     root = str(tmp_path / "run")
+    lease = Lease(LocalStorage(root), "run", ttl_s=60, clock=lambda: 0.0, sleep=lambda s: None)
+    lease.acquire()
+    monkeypatch.setenv(EPOCH_ENV, str(lease.epoch))
     ck = ckrun.Checkpointer(storage=root, rng=False, lock=False, keep_last=1)
     ck.save(1, {"w": torch.full((4,), 1.0)})
     ck.save(2, {"w": torch.full((4,), 2.0)})
@@ -248,6 +254,18 @@ def test_a_save_under_a_notice_leaves_retention_to_the_next_attempt(tmp_path: Pa
         finally:
             control.reset_for_tests()
         assert _steps(root) == [m.step, m.step + 1], attempt  # nothing deleted after it
+
+
+def test_a_load_outside_a_supervisor_deletes_nothing(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    ck = ckrun.Checkpointer(storage=root, rng=False, lock=False, keep_last=3)
+    for step in (1, 2, 3):
+        ck.save(step, {"w": torch.full((4,), float(step))})
+    ck.close()
+    ev = ckrun.Checkpointer(storage=root, rng=False, lock=False, keep_last=1)  # evaluation
+    assert ev.load({"w": torch.zeros(4)}) is not None
+    ev.close()
+    assert _steps(root) == [1, 2, 3]
 
 
 def test_a_notice_during_a_retention_pass_stops_it_between_deletes(tmp_path: Path) -> None:
