@@ -453,6 +453,23 @@ def test_a_script_printing_into_the_closed_console_pipe_still_saves(tmp_path: Pa
     assert f"done {expected_w(400)}" in again.stdout, again.stdout
 
 
+def _ckrun_in_pty(
+    tmp_path: Path,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    before_exec: Callable[[], None] | None = None,
+) -> tuple[int, int]:
+    """``python -m ckrun.cli ARGS`` in ``tmp_path`` as the foreground process of a new
+    terminal; ``before_exec`` runs in the child first.  Returns (pid, pty descriptor)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(tmp_path)
+        if before_exec is not None:
+            before_exec()
+        os.execve(PY, [PY, "-m", "ckrun.cli", *args], env or dict(os.environ, **FAST_ENV))
+    return pid, fd
+
+
 def _finish_pty(pid: int, fd: int, out: bytes) -> tuple[bytes, int]:
     """Read the pty ``fd`` of ``pid`` to its end after ``out``; its output and exit code."""
     while True:
@@ -478,12 +495,11 @@ def test_the_script_sees_a_terminal_and_its_streams_stay_apart(tmp_path: Path) -
         "print('err-line', file=sys.stderr)\n"
     )
     args = ["run", "--run", "tty", "--storage", "runs", "--", PY, "-c", prog]
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(tmp_path)
-        err = os.open(str(tmp_path / "stderr.txt"), os.O_WRONLY | os.O_CREAT, 0o644)
-        os.dup2(err, 2)  # stderr to a file: not relayed, the script gets the file
-        os.execve(PY, [PY, "-m", "ckrun.cli", *args], dict(os.environ, **FAST_ENV))
+
+    def stderr_to_a_file() -> None:  # not relayed: the script gets the file
+        os.dup2(os.open(str(tmp_path / "stderr.txt"), os.O_WRONLY | os.O_CREAT, 0o644), 2)
+
+    pid, fd = _ckrun_in_pty(tmp_path, args, before_exec=stderr_to_a_file)
     out, code = _finish_pty(pid, fd, b"")
     assert code == 0, out
     assert b"out True False\r\n" in out, out
@@ -505,11 +521,11 @@ def test_a_resized_terminal_resizes_the_scripts_terminal(tmp_path: Path) -> None
         "    time.sleep(0.01)\n"
     )
     args = ["run", "--run", "winch", "--storage", "runs", "--", PY, "-c", prog]
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(tmp_path)
+
+    def size_80x24() -> None:
         fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-        os.execve(PY, [PY, "-m", "ckrun.cli", *args], dict(os.environ, **FAST_ENV))
+
+    pid, fd = _ckrun_in_pty(tmp_path, args, before_exec=size_80x24)
     out = b""
     while b"size 80x24" not in out:
         out += os.read(fd, 4096)
@@ -575,10 +591,7 @@ def test_a_hung_up_terminal_keeps_the_work_since_the_last_checkpoint(tmp_path: P
     env.pop("CKRUN_CONTROL_DIR", None)
     args = ["submit", "--run", "hup", "--storage", "runs", CHILD, "--steps", "400",
             "--step-s", "0.03"]  # fmt: skip
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(tmp_path)
-        os.execve(PY, [PY, "-m", "ckrun.cli", *args], env)
+    pid, fd = _ckrun_in_pty(tmp_path, args, env)
     out = b""
     end = time.monotonic() + 120
     while b"step 5\r\n" not in out and time.monotonic() < end:
