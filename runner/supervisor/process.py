@@ -144,14 +144,23 @@ def reap() -> dict[int, int]:
         out[pid] = exit_status(st)
 
 
-def _stat_fields(pid: int) -> tuple[int, int, int] | None:
-    """(ppid, pgrp, session) of ``pid`` from ``/proc/PID/stat``, or None if gone."""
+def _read_stat(path: str) -> tuple[bytes, list[bytes]] | None:
+    """A ``/proc`` ``stat`` file (proc(5)): the command name and the fields after it
+    (state first), undecoded (the loop scans every process each tick), or None when it
+    cannot be read (the process or thread is gone)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             raw = f.read()
     except OSError:
         return None
-    rest = raw[raw.rfind(b")") + 2 :].split()
+    end = raw.rfind(b")")  # the name may itself contain ")" or spaces
+    return raw[raw.find(b"(") + 1 : end], raw[end + 2 :].split()
+
+
+def _stat_fields(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgrp, session) of ``pid`` from ``/proc/PID/stat``, or None if gone."""
+    st = _read_stat(f"/proc/{pid}/stat")
+    rest = st[1] if st is not None else []
     if len(rest) < 4 or rest[0] == b"Z":
         return None  # zombies are not signalled; they are reaped
     return int(rest[1]), int(rest[2]), int(rest[3])
@@ -244,20 +253,16 @@ def _task_wait(pid: int, tid: str) -> tuple[str, str, str] | None:
     """(comm, state letter, kernel wait channel or "") of thread ``tid`` of ``pid``, or
     None when it is gone.  The wait channel is left out where the kernel does not show
     it (no ``wchan`` file, or ``0``)."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
+    st = _read_stat(f"/proc/{pid}/task/{tid}/stat")
+    if st is None or not st[1]:
         return None
     try:
         with open(f"/proc/{pid}/task/{tid}/wchan", "rb") as f:
             wchan = f.read().decode(errors="replace").strip()
     except OSError:
         wchan = ""
-    comm = raw[raw.find(b"(") + 1 : raw.rfind(b")")].decode(errors="replace")
-    state = raw[raw.rfind(b")") + 2 :][:1].decode(errors="replace")
-    printable = "".join(c if c.isprintable() else "?" for c in comm)
-    return printable, state, "" if wchan == "0" else wchan
+    comm = "".join(c if c.isprintable() else "?" for c in st[0].decode(errors="replace"))
+    return comm, st[1][0].decode(errors="replace"), "" if wchan == "0" else wchan
 
 
 #: Processes named by :func:`waits` (the rest are counted).

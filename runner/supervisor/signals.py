@@ -60,8 +60,8 @@ class SignalInbox:
                 exits: the run's outcome is decided, a late notice (e.g. Slurm's
                 time-limit USR1 just after completion) changes nothing.
         """
-        sigs = {signal.SIGTERM, self.notice_sig, signal.SIGUSR2, signal.SIGCHLD, signal.SIGINT}
-        sigs.add(signal.SIGWINCH)
+        sigs = {signal.SIGTERM, self.notice_sig, signal.SIGUSR2, signal.SIGCHLD, signal.SIGINT,
+                signal.SIGWINCH}  # fmt: skip
         sigs.update(FORWARD)
         old = {s: signal.signal(s, self._handler) for s in sigs}
         r, w = os.pipe()
