@@ -133,6 +133,12 @@ def _write_cache(key: str, c: WriterChoice) -> None:
         log.debug("cannot remember the writer probe in %s: %s", path, e)
 
 
+def _cached(key: str) -> WriterChoice | None:
+    """The remembered choice for location ``key``, if the cache file has a valid one."""
+    entry = _read_cache().get(key)
+    return _from_cache(entry) if isinstance(entry, dict) else None
+
+
 def _from_cache(entry: dict[str, object]) -> WriterChoice | None:
     mode, depth, rates = entry.get("mode"), entry.get("depth"), entry.get("rates")
     if mode not in ("direct", "writebehind") or not isinstance(depth, int) or depth < 1:
@@ -203,7 +209,12 @@ def probe(root: str, nbytes: int = PROBE_BYTES) -> WriterChoice:
 
 
 class ProbeDeferred(Exception):
-    """A probe stopped because probes were deferred while it ran (:func:`defer_probes`)."""
+    """No probe now: probes were deferred (:func:`defer_probes`), also while one ran, or
+    another process's probe took too long."""
+
+
+#: The writer of a location without a probe (the one used before the probe existed).
+_DEFERRED = WriterChoice("direct", 1, "deferred")
 
 
 #: Seconds a process waits for another one's probe of the same machine before it
@@ -219,11 +230,11 @@ def _probe_once(root: str, key: str) -> WriterChoice:
     Without a usable lock file (a read-only home) it probes alone.
 
     Returns:
-        The probed choice (source ``probe``), the remembered one (``cache``), or
-        ``direct:1`` (``deferred``) after :data:`PROBE_WAIT_S` or a notice while waiting.
+        The probed choice (source ``probe``) or the remembered one (``cache``).
 
     Raises:
-        As :func:`probe`.
+        ProbeDeferred: a notice came, or another process probed for longer than
+            :data:`PROBE_WAIT_S`.  Otherwise as :func:`probe`.
     """
     from filelock import FileLock, Timeout
 
@@ -239,17 +250,14 @@ def _probe_once(root: str, key: str) -> WriterChoice:
             lock.acquire(timeout=0.1)
             break
         except Timeout:
-            if _deferred or time.monotonic() > deadline:
-                why = (
-                    _deferred[0] if _deferred else f"another process probes for {PROBE_WAIT_S:g} s"
-                )
-                log.info("writer probe for %s skipped (%s): direct:1", key, why)
-                return WriterChoice("direct", 1, "deferred")
+            if _deferred:
+                raise ProbeDeferred(_deferred[0]) from None
+            if time.monotonic() > deadline:
+                raise ProbeDeferred(f"another process probes for {PROBE_WAIT_S:g} s") from None
         except OSError:  # the lock file cannot be created: probe alone
             lock = None
     try:
-        entry = _read_cache().get(key)
-        c = _from_cache(entry) if isinstance(entry, dict) else None
+        c = _cached(key)
         if c is None:
             c = probe(root)
             _write_cache(key, c)
@@ -291,20 +299,17 @@ def choose(root: str, *, may_probe: bool = True) -> WriterChoice:
     with _lock:
         if key in _memo:
             return _memo[key]
-        entry = _read_cache().get(key)
-        c = _from_cache(entry) if isinstance(entry, dict) else None
-        if c is None and (_deferred or not may_probe):
-            if _deferred:
-                log.info("writer probe for %s deferred (%s): direct:1", key, _deferred[0])
-            return WriterChoice("direct", 1, "deferred")
+        c = _cached(key)
+        if c is None and not may_probe:
+            return _DEFERRED
         if c is None:
             try:
+                if _deferred:
+                    raise ProbeDeferred(_deferred[0])
                 c = _probe_once(root, key)
-                if c.source == "deferred":  # skipped (a notice, a long wait): ask again later
-                    return c
-            except ProbeDeferred as e:
-                log.info("writer probe for %s stopped (%s): direct:1", key, e)
-                return WriterChoice("direct", 1, "deferred")
+            except ProbeDeferred as e:  # not remembered: a later call asks again
+                log.info("writer probe for %s deferred (%s): direct:1", key, e)
+                return _DEFERRED
             except DirectUnsupported:
                 raise
             except StorageError as e:  # e.g. no room for the probe: the classic writer
