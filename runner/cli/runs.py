@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import click
-from ckrun.errors import StorageError, UsageError
+from ckrun.errors import CkrunError, StorageError, UsageError
 
 
 def _age(seconds: float) -> str:
@@ -32,19 +31,20 @@ def _age(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def list_runs(base: str, *, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def list_runs(base: str) -> tuple[list[dict[str, Any]], CkrunError | None]:
     """One row per run under the storage base ``base`` (sorted by name): run, state,
     attempts, newest committed step, goodput, age_s (seconds since its last event, or
-    since ``run.json`` was written).  The runs are those this machine keeps state for and
-    those whose record the storage holds (:func:`ckrun.report.stored.stored_run_names`),
-    so a fresh machine lists the runs others ran on a bucket or a shared directory.
+    since ``run.json`` was written; None without either).  The runs are those this
+    machine keeps state for and those whose record the storage holds
+    (:func:`ckrun.report.stored.stored_run_names`), so a fresh machine lists the runs
+    others ran on a bucket or a shared directory.
 
-    Args:
-        warn: told why the storage could not be listed (then only the local runs).
+    Returns:
+        The rows, and why the storage could not be listed (then the rows are this
+        machine's only), else None.
     """
     from ckrun.cli.locate import located_config
     from ckrun.cli.status import locate
-    from ckrun.errors import CkrunError
     from ckrun.notices import utcnow
     from ckrun.report.history import stamp
     from ckrun.report.stored import merge_events, run_storage, stored_events, stored_run_names
@@ -59,11 +59,11 @@ def list_runs(base: str, *, warn: Callable[[str], None] | None = None) -> list[d
         for n in (os.listdir(state_base) if os.path.isdir(state_base) else [])
         if _stored_on(RunDir(os.path.join(state_base, n)), cfg.storage)
     }
+    unlisted: CkrunError | None = None
     try:
         names.update(stored_run_names(cfg))
     except CkrunError as e:
-        if warn is not None:
-            warn(f"cannot list the runs in {cfg.storage} ({e}); showing this machine's only")
+        unlisted = e
     rows = []
     now = utcnow().timestamp()
     for name in sorted(names):
@@ -86,7 +86,7 @@ def list_runs(base: str, *, warn: Callable[[str], None] | None = None) -> list[d
                 "age_s": None if last is None else round(max(0.0, now - last), 3),
             }
         )
-    return rows
+    return rows, unlisted
 
 
 def _stored_on(rd: Any, storage: str) -> bool:
@@ -94,13 +94,12 @@ def _stored_on(rd: Any, storage: str) -> bool:
     ``storage`` (local paths compared absolute, URLs without a trailing slash)."""
     if not rd.exists():
         return False
-    cfg = rd.load_config()
+    from ckrun.config import is_local_storage
 
     def norm(u: str) -> str:
-        return u.rstrip("/") if "://" in u and not u.startswith("file://") else (
-            os.path.abspath(u.removeprefix("file://"))
-        )  # fmt: skip
+        return os.path.abspath(u.removeprefix("file://")) if is_local_storage(u) else u.rstrip("/")
 
+    cfg = rd.load_config()
     return cfg is not None and norm(cfg.storage) == norm(storage)
 
 
@@ -125,12 +124,11 @@ def runs(storage: str | None, as_json: bool) -> None:
         )
     if is_local_storage(base):
         base = os.path.abspath(base.removeprefix("file://"))
-    problems: list[str] = []
-    rows = list_runs(base, warn=problems.append)
-    if problems and not rows:  # nothing to show: the failure is the answer
-        raise StorageError(problems[0].replace("; showing this machine's only", ""))
-    for m in problems:
-        click.echo(f"warning: {m}", err=True)
+    rows, unlisted = list_runs(base)
+    if unlisted is not None:
+        if not rows:  # nothing to show: the failure is the answer
+            raise StorageError(f"cannot list the runs in {base} ({unlisted})")
+        click.echo(f"warning: cannot list the runs in {base} ({unlisted}); this machine's only")
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
