@@ -269,6 +269,7 @@ from ckrun.storage import probe
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 real = probe.probe
 probe.probe = lambda root, nbytes=probe.PROBE_BYTES: real(root, 16 << 20)
+open(f"{sys.argv[2]}.{os.getpid()}.ready", "w").close()
 while not os.path.exists(sys.argv[2]):  # every rank reaches its first save together
     time.sleep(0.001)
 print(probe.choose(sys.argv[1]).source)
@@ -283,7 +284,10 @@ def test_ranks_of_one_machine_probe_once(tmp_path: Path) -> None:
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(root), str(go)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(4)]  # fmt: skip
-    time.sleep(1.0)  # all imported and polling
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("go.*.ready"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)  # until every rank has imported ckrun and polls
+    assert len(list(tmp_path.glob("go.*.ready"))) == 4
     go.touch()
     outs = [r.communicate(timeout=120) for r in ranks]
     assert all(r.returncode == 0 for r in ranks), outs
