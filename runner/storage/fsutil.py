@@ -158,22 +158,57 @@ def make_dirs(root: str, d: str, *, sync: bool = True) -> list[str]:
     Raises:
         StorageError: a directory cannot be created or synced.
     """
-    missing: list[str] = []
-    cur = d
-    while not os.path.isdir(cur) and cur != root:
-        missing.append(cur)
-        cur = os.path.dirname(cur)
-    created: list[str] = []
-    for m in reversed(missing):
-        try:
-            os.mkdir(m)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise map_os_error(e, path=m) from e
-        created.append(os.path.dirname(m))
+    created: list[str] = []  # parents of the directories made, shallowest first
+    if not os.path.isdir(d):  # an existing directory costs one stat
+        _make_dir(root, d, created)
     parents = created[::-1]
     if sync:
         for p in parents:
             fsync_dir(p)
     return parents
+
+
+def _make_dir(root: str, d: str, created: list[str]) -> None:
+    """``mkdir`` of the missing directory ``d``, first its missing parents up to
+    ``root`` (which exists: the storage made it); the parent of each directory made is
+    appended to ``created``.  The parents are looked at only when the ``mkdir`` says one
+    is missing: a save's new step directory costs one system call.
+
+    Raises:
+        StorageError: a directory cannot be created (or exists as a non-directory).
+    """
+    if d == root:
+        return
+    try:
+        made = _mkdir(d)
+    except FileNotFoundError as e:
+        parent = os.path.dirname(d)
+        if parent == d:
+            raise map_os_error(e, path=d) from e
+        _make_dir(root, parent, created)
+        try:
+            made = _mkdir(d)  # once more, now under its parent
+        except FileNotFoundError as e2:
+            raise map_os_error(e2, path=d) from e2
+    if made:
+        created.append(os.path.dirname(d))
+
+
+def _mkdir(d: str) -> bool:
+    """``mkdir(d)``; False when ``d`` is already a directory (another writer made it).
+
+    Raises:
+        FileNotFoundError: a parent is missing (unmapped: the caller makes it).
+        StorageError: any other failure, or ``d`` exists as a non-directory.
+    """
+    try:
+        os.mkdir(d)
+    except FileExistsError as e:
+        if os.path.isdir(d):
+            return False
+        raise map_os_error(e, path=d) from e
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise map_os_error(e, path=d) from e
+    return True

@@ -130,8 +130,11 @@ class LocalWriter:
         self._in_place = in_place
         self._committed = False
         self.unsynced: list[str] = []
-        name = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(key)}"
-        self._tmp = self._final if in_place else os.path.join(d, name)
+        if in_place:
+            self._tmp = self._final
+        else:
+            name = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(key)}"
+            self._tmp = os.path.join(d, name)
         try:
             self._fd: int | None = os.open(
                 self._tmp,
@@ -230,8 +233,10 @@ class LocalWriter:
                     ) from e
                 finally:
                     self.abort()  # the temp name goes; the linked file stays
+                self._committed = True
             else:
                 os.replace(self._tmp, self._final)
+                self._committed = True  # the temp name is gone: nothing left to abort
             fsync_dir(os.path.dirname(self._final))
             for p in self._new_dir_parents:  # the entries of directories made for it
                 fsync_dir(p)

@@ -239,3 +239,28 @@ def test_a_small_unreferenced_object_skips_the_staging_copy(
     back = {"w": torch.zeros(250_000)}
     assert ck.load(back) is not None and torch.equal(back["w"], state["w"])
     ck.close()
+
+
+def test_make_dirs_creates_missing_parents_and_names_each_new_entrys_parent(
+    tmp_path: Path,
+) -> None:
+    """``make_dirs`` makes a missing directory and its missing parents (the ``mkdir``
+    first, the parents only when it reports one missing) and returns the directories
+    whose entries changed, deepest first; an existing directory changes nothing; a file
+    in the way is a storage error naming its path."""
+    from ckrun.errors import StorageError
+    from ckrun.storage.fsutil import make_dirs
+
+    root = str(tmp_path)
+    assert make_dirs(root, f"{root}/a", sync=False) == [root]
+    assert make_dirs(root, f"{root}/a/b/c", sync=False) == [f"{root}/a/b", f"{root}/a"]
+    assert os.path.isdir(f"{root}/a/b/c")
+    assert make_dirs(root, f"{root}/a/b/c", sync=False) == []
+    assert make_dirs(root, root, sync=False) == []
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(StorageError, match="/f"):
+        make_dirs(root, f"{root}/f", sync=False)
+    with pytest.raises(StorageError, match="/f"):
+        make_dirs(root, f"{root}/f/g", sync=False)
+    with pytest.raises(StorageError):  # the storage's root itself is never made
+        make_dirs(f"{root}/gone", f"{root}/gone/x", sync=False)
