@@ -44,8 +44,8 @@ from checkpoint import (
     torch_save,
 )
 from checkpoint_async import flat
-from ckrun.storage import local_writer, probe
-from ckrun.storage.fsutil import fsync_path
+from ckrun.storage import probe
+from ckrun.storage.fsutil import SFR_WRITE, fsync_path, sync_file_range
 from ckrun.storage.local import LocalStorage
 from ckrun.storage.local_writer import LocalWriter
 
@@ -232,8 +232,8 @@ def protocol_floor(root: str, i: int, bufs: list[memoryview], pool: Any) -> None
     try:
         for b in bufs:
             os.write(fd, b)
-        if local_writer._sync_file_range is not None:  # SYNC_FILE_RANGE_WRITE, no wait
-            local_writer._sync_file_range(fd, 0, 0, 2)  # type: ignore[operator]
+        if sync_file_range is not None:  # start the write-back, no wait
+            sync_file_range(fd, 0, 0, SFR_WRITE)  # type: ignore[operator]
         os.write(mfd, b"m" * 2048)
         futs = [pool.submit(fsync_path, x) for x in (d, f"{root}/floor")]
         futs.append(pool.submit(os.fsync, mfd))

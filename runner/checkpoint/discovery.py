@@ -85,9 +85,7 @@ def completion(storage: Storage) -> tuple[CompletionMarker | None, str | None]:
         sizes; ``(None, None)`` when there is no marker; ``(None, problem)`` for a marker
         that is present but unparsable or whose artifacts are missing or truncated.
     """
-    try:  # HEAD first: a run in progress (no marker, every save asks) reads nothing
-        if storage.head(layout.COMPLETE) is None:
-            return None, None
+    try:
         data = storage.get(layout.COMPLETE)
     except ObjectNotFound:
         return None, None

@@ -7,6 +7,7 @@ journal), and directory creation whose new entries are made durable.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import tempfile
@@ -94,12 +95,36 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+SFR_WAIT_BEFORE = 1  # sync_file_range(2) flags
+SFR_WRITE = 2
+SFR_WAIT_AFTER = 4
+
+
+def _load_sync_file_range() -> object | None:
+    """``sync_file_range`` from libc via ctypes (releases the GIL), or None."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: ``sync_file_range(fd, offset, nbytes, flags)`` (returns 0 or -1 with ``errno`` set,
+#: ``ctypes.get_errno``), or None where libc has none
+sync_file_range = _load_sync_file_range()
+
+
 def fsync_path(path: str) -> None:
     """fsync the file or directory ``path`` (through a read-only descriptor: fsync
     flushes the inode's dirty pages and metadata whatever descriptor wrote them)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
+    except OSError as e:  # name the file whose data was lost, not the caller's
+        raise OSError(e.errno, e.strerror, path) from e
     finally:
         os.close(fd)
 

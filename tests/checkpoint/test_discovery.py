@@ -85,26 +85,3 @@ def test_a_manifest_deleted_between_list_and_read_is_not_a_problem(run_dir: Path
 
     sc = discovery.scan(RetentionBeside())  # type: ignore[arg-type]
     assert [m.step for m in sc.manifests] == [2] and sc.problems == []
-
-
-def test_a_run_without_a_marker_reads_nothing_to_find_that_out(run_dir: Path) -> None:
-    """Every save asks whether the run is complete (issue 19, small saves): without a
-    marker that is one HEAD (one stat locally, one request on S3), and no object is
-    read; with a marker it is read and checked as before."""
-    _save(run_dir, [1])
-    st = ckrun.open_storage(str(run_dir))
-    reads: list[str] = []
-    real_get = st.get
-
-    def get(key: str) -> bytes:
-        reads.append(key)
-        return real_get(key)
-
-    st.get = get  # type: ignore[method-assign]
-    assert discovery.completion(st) == (None, None)
-    assert reads == []
-    with ckrun.Checkpointer(storage=str(run_dir), compat=COMPAT) as ck:
-        ck.finalize(2, {"w": torch.ones(4)})
-    marker, problem = discovery.completion(st)
-    assert marker is not None and marker.final_step == 2 and problem is None
-    assert reads == [layout.COMPLETE]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,7 +74,15 @@ def test_enospc_at_nth_write_fault_injection(
     w = LocalStorage(str(tmp_path / "run"), direct=False).open_write("obj")
     with pytest.raises(StorageFull, match="no space left"):
         for _ in range(5):
+            w.write(b"z" * (64 << 10))  # not gathered: each one a write(2)
+    w.abort()
+    assert st.head("obj") is None and _files(tmp_path / "run") == []
+    calls["n"] = 2  # small writes are gathered: the failure surfaces at the commit
+    w = LocalStorage(str(tmp_path / "run"), direct=False).open_write("obj")
+    with pytest.raises(StorageFull, match="no space left"):
+        for _ in range(5):
             w.write(b"z" * 1000)
+        w.commit()
     w.abort()
     assert st.head("obj") is None and _files(tmp_path / "run") == []
     calls["n"] = 0
@@ -258,9 +267,9 @@ def test_make_dirs_creates_missing_parents_and_names_each_new_entrys_parent(
     assert make_dirs(root, f"{root}/a/b/c", sync=False) == []
     assert make_dirs(root, root, sync=False) == []
     (tmp_path / "f").write_bytes(b"x")
-    with pytest.raises(StorageError, match="/f"):
+    with pytest.raises(StorageError, match=re.escape(f"{root}/f:")):
         make_dirs(root, f"{root}/f", sync=False)
-    with pytest.raises(StorageError, match="/f"):
+    with pytest.raises(StorageError, match=re.escape(f"{root}/f")):
         make_dirs(root, f"{root}/f/g", sync=False)
     with pytest.raises(StorageError):  # the storage's root itself is never made
         make_dirs(f"{root}/gone", f"{root}/gone/x", sync=False)
