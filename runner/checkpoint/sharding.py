@@ -198,19 +198,20 @@ def plan(snap: fmt.Snapshot, group: Group, *, limit: int | None = None) -> Plann
             )
     sizes = [0] * group.world_size
     global_of: dict[int, int] = {}  # tensor index -> owner rank (-1: DTensor, every rank)
-    replicated = []
+    others = [lst[1] for lst in listing if lst[1] is not kinds]  # one rank: none
+    replicated: list[tuple[int, int]] = []  # (bytes, tensor index)
     for i, k in enumerate(kinds):
         if k[0] == "dtensor":
             global_of[i] = -1
-        elif k[0] == "plain" and all(lst[1][i] == k for lst in listing):
-            replicated.append(i)
+        elif k[0] == "plain" and all(o[i] == k for o in others):
+            replicated.append((_bytes_of(k), i))
         else:  # rank-local
             for r, lst in enumerate(listing):
                 sizes[r] += _bytes_of(lst[1][i])
-    for i in sorted(replicated, key=lambda i: (-_bytes_of(kinds[i]), names[i])):
-        owner = min(range(group.world_size), key=lambda r: (sizes[r], r))
+    for nbytes, i in sorted(replicated, key=lambda bi: (-bi[0], names[bi[1]])):
+        owner = sizes.index(min(sizes))  # the least loaded rank, the lowest on a tie
         global_of[i] = owner
-        sizes[owner] += _bytes_of(kinds[i])
+        sizes[owner] += nbytes
     return _build(snap, names, kinds, global_of, group.rank, limit)
 
 
@@ -250,11 +251,11 @@ def _build(
         if local is None:
             continue
         for part, off in _cut(local, offsets, limit):
-            whole = list(part.shape) == kinds[i][2]
-            entry = name if whole else f"{name}@{','.join(map(str, off))}"
+            shape = list(part.shape)
+            entry = name if shape == kinds[i][2] else f"{name}@{','.join(map(str, off))}"
             tensors.append(part)
             entry_names.append(entry)
-            pieces.append([name, entry, off, list(part.shape)])
+            pieces.append([name, entry, off, shape])
 
     def rebind(v: Any) -> Any:
         if isinstance(v, list):
