@@ -16,7 +16,8 @@ taken seconds apart on the same shared machine):
             model and optimizer, safetensors load_file, ckrun load (verified; format-2
             tensors read straight into the live model and optimizer tensors,
             ckrun.checkpoint.inplace_load)
-    small : 1 MB and 40 MB states saved ``SMALL_SAVES`` times with ``GAP_S`` of compute
+    small : 1 MB and 40 MB states (and a 2.6 MB state of 800 tensors, a small model's
+            shape) saved ``SMALL_SAVES`` times with ``GAP_S`` of compute
             between saves (retention keep_last=3 deleting): median seconds of the save
             call, torch.save + fsync, ckrun save, and the protocol floor (ckrun's commit
             sequence in bare system calls, :func:`protocol_floor`)
@@ -248,19 +249,12 @@ def protocol_floor(root: str, i: int, bufs: list[memoryview], pool: Any) -> None
     fsync_path(d)
 
 
-def small_saves(root: str, out: dict[str, list[float]]) -> None:
-    """1 MB and 40 MB states saved ``SMALL_SAVES`` times, "every few steps": a training
-    step's worth of matmuls (about ``GAP_S``) runs between saves, and the figure is the
-    median time of the save call itself (what the training loop waits for); ckrun's
-    retention pass of the previous save overlaps that step."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(256, 256, generator=g)
-
-    def step() -> None:
-        t = time.perf_counter()
-        while time.perf_counter() - t < GAP_S:
-            a @ a
-
+def _small_states() -> list[tuple[str, dict[str, Any], Callable[[], Any], list[torch.Tensor]]]:
+    """The small states: (label, ckrun's state, what torch.save writes, the tensors the
+    protocol floor writes).  1 MB and 40 MB are issue 19's rows (three large tensors);
+    the third is the shape of a real small model, 800 tensors: a 50-layer MLP of width
+    64 with LayerNorms and its AdamW state (2.6 MB; not one of the issue's rows)."""
+    out: list[tuple[str, dict[str, Any], Callable[[], Any], list[torch.Tensor]]] = []
     for mb in (1, 40):
         n = mb * 10**6 // 4
         sd = {
@@ -269,16 +263,53 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
             "v": torch.randn(n - 2 * (n // 3)),
         }
         state = {"model": torch.nn.Linear(1, 1), "extra": sd}
+        out.append((f"{mb} MB", state, lambda sd=sd: sd, list(sd.values())))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)) for _ in range(50)]
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    tensors = [p.detach() for p in model.parameters()]
+    tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    out.append(
+        (
+            "2.6 MB, 800 tensors",
+            {"model": model, "optimizer": opt},
+            lambda: {"model": model.state_dict(), "optimizer": opt.state_dict()},
+            tensors,
+        )
+    )
+    return out
+
+
+def small_saves(root: str, out: dict[str, list[float]]) -> None:
+    """The small states (:func:`_small_states`) saved ``SMALL_SAVES`` times, "every few
+    steps": a training step's worth of matmuls (about ``GAP_S``) runs between saves, and
+    the figure is the median time of the save call itself (what the training loop waits
+    for); ckrun's retention pass of the previous save overlaps that step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 256, generator=g)
+
+    def step() -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < GAP_S:
+            a @ a
+
+    for label, state, payload, floor_tensors in _small_states():
         ts = []
         for _ in range(SMALL_SAVES):
             step()
             t = time.perf_counter()
             with open(f"{root}/small.pt", "wb") as f:
-                torch.save(state["extra"], f)
+                torch.save(payload(), f)
                 f.flush()
                 os.fsync(f.fileno())
             ts.append(time.perf_counter() - t)
-        out.setdefault(f"small {mb} MB: torch.save + fsync", []).append(statistics.median(ts))
+        out.setdefault(f"small {label}: torch.save + fsync", []).append(statistics.median(ts))
         ck = _ck(f"{root}/small-ck", "auto", keep_last=3)
         ts = []
         for s in range(1, SMALL_SAVES + 1):
@@ -287,12 +318,10 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
             ck.save(s, state)
             ts.append(time.perf_counter() - t)
         ck.close()
-        out.setdefault(f"small {mb} MB: ckrun save", []).append(statistics.median(ts))
+        out.setdefault(f"small {label}: ckrun save", []).append(statistics.median(ts))
         _rm(f"{root}/small-ck")
         _rm(f"{root}/small.pt")
-        from concurrent.futures import ThreadPoolExecutor
-
-        bufs = [memoryview(t.numpy()).cast("B") for t in sd.values()]
+        bufs = [memoryview(t.reshape(-1).numpy()).cast("B") for t in floor_tensors]
         os.makedirs(f"{root}/floor")
         ts = []
         with ThreadPoolExecutor(3) as pool:
@@ -303,7 +332,7 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
                 ts.append(time.perf_counter() - t)
                 if i >= 3:  # keep the last 3, as the ckrun rows (outside the timing)
                     _rm(f"{root}/floor/step-{i - 3:08d}")
-        out.setdefault(f"small {mb} MB: protocol floor", []).append(statistics.median(ts))
+        out.setdefault(f"small {label}: protocol floor", []).append(statistics.median(ts))
         _rm(f"{root}/floor")
 
 
@@ -337,11 +366,13 @@ def small_table(r: dict[str, Any], regime: str) -> str:
         "floor (s) | floor / torch.save + fsync | ckrun / floor |",
         "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
-    for mb in (1, 40):
-        t, c = s[f"small {mb} MB: torch.save + fsync"], s[f"small {mb} MB: ckrun save"]
-        f = s[f"small {mb} MB: protocol floor"]
+    labels = [k[len("small ") : -len(": ckrun save")] for k in s if k.endswith(": ckrun save")]
+    for label in labels:
+        t, c = s[f"small {label}: torch.save + fsync"], s[f"small {label}: ckrun save"]
+        f = s[f"small {label}: protocol floor"]
+        target = f"≤ 1.0 {_mark(c <= t)}" if label in ("1 MB", "40 MB") else "(no target)"
         lines.append(
-            f"| {mb} MB | {t:.4f} | {c:.4f} | {c / t:.2f}× | ≤ 1.0 {_mark(c <= t)} "
+            f"| {label} | {t:.4f} | {c:.4f} | {c / t:.2f}× | {target} "
             f"| {f:.4f} | {f / t:.2f}× | {c / f:.2f}× |"
         )
     return "\n".join(lines)
