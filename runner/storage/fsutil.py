@@ -197,7 +197,8 @@ def _make_dir(root: str, d: str, created: list[str]) -> None:
     """``mkdir`` of the missing directory ``d``, first its missing parents up to
     ``root`` (which exists: the storage made it); the parent of each directory made is
     appended to ``created``.  The parents are looked at only when the ``mkdir`` says one
-    is missing: a save's new step directory costs one system call.
+    is missing: a save's new step directory costs one ``mkdir`` after
+    :func:`make_dirs`'s ``stat``.
 
     Raises:
         StorageError: a directory cannot be created (or exists as a non-directory).

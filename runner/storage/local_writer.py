@@ -179,8 +179,8 @@ class LocalWriter:
         return n
 
     def _drain(self) -> None:
-        """Write the gathered small writes out (a new buffer each time: a write never
-        keeps a view of one it may still append to)."""
+        """Write the gathered small writes out.  The next ones gather into a new
+        buffer: a ``bytearray`` cannot grow while a memoryview of it exists."""
         if self._gathered:
             buf, self._gathered = self._gathered, bytearray()
             self._write_out(memoryview(buf))
