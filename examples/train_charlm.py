@@ -307,4 +307,7 @@ def generate(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if torch.distributed.is_initialized():  # gloo's threads must not outlive the interpreter
+        torch.distributed.destroy_process_group()
+    sys.exit(code)

@@ -76,6 +76,9 @@ RANKS = textwrap.dedent(
     rank = dist.get_rank()
     agreed = [control.preemption_requested(sync=True) for _ in range(2)]
     print(rank, agreed, flush=True)
+    # a live gloo group at interpreter exit can abort a rank (std::terminate on its
+    # threads) once the peer is gone: a well-formed torch.distributed script destroys it
+    dist.destroy_process_group()
     """
 )
 
