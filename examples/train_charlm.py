@@ -145,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (more than 1 process)")
     p.add_argument(
+        "--step-seconds", type=float, default=0.0, help="pace: sleep per step (drills, tests)"
+    )
+    p.add_argument(
         "--storage",
         default="ckrun-runs/charlm-standalone",
         help="checkpoint storage when not run under the ckrun supervisor",
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
         tokens += x.numel()
         loss_sum += loss.item()
         n_loss += 1

@@ -107,4 +107,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()  # returns, or raises SystemExit(75) after a preemption save
+    finally:
+        if torch.distributed.is_initialized():  # gloo's threads must not outlive the
+            torch.distributed.destroy_process_group()  # interpreter (an abort at exit)

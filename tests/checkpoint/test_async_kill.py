@@ -82,7 +82,9 @@ def test_kill_during_background_persist_keeps_previous(tmp_path: Path) -> None:
 
 def test_kill_during_zero_copy_persist_keeps_previous(tmp_path: Path) -> None:
     """The plain local storage (O_DIRECT from the host buffers): killed as soon as the
-    shard's temp file has data; a trial where the commit won the race is retried."""
+    shard's temp file has data.  The persist is capped at 32 MB/s (seconds for the
+    shard), so a fast disk does not commit before the kill; a trial where the commit
+    still won the race is retried."""
     for trial in range(5):
         run = tmp_path / f"run{trial}"
         step2 = run / layout.step_prefix(2)
@@ -91,6 +93,7 @@ def test_kill_during_zero_copy_persist_keeps_previous(tmp_path: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=dict(os.environ, CKRUN_PERSIST_MAX_MBPS="32"),
         )
         try:
             _expect(p, "durable 1")

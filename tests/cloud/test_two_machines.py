@@ -213,7 +213,7 @@ def test_second_machine_exits_2_naming_the_holder_and_never_trains(
 def test_killed_holder_is_taken_over_after_the_ttl_and_resumed_bitwise(
     run: Run, machines: Callable[..., Machine], expected: Any
 ) -> None:
-    a, b = machines("machine-a"), machines("machine-b")
+    a, b = machines("machine-a", step_sleep_s=0.1), machines("machine-b")  # A: 12 s left
     a.start()
     _trained_past_a_commit(a, run)
     a.kill()  # the VM is gone: supervisor and child, no release of the lease
@@ -237,7 +237,7 @@ def test_killed_holder_is_taken_over_after_the_ttl_and_resumed_bitwise(
 def test_paused_holder_wakes_up_fenced_and_stops(
     run: Run, machines: Callable[..., Machine], expected: Any
 ) -> None:
-    a = machines("machine-a")
+    a = machines("machine-a", step_sleep_s=0.1)  # 12 s of training left past the commit
     b = machines("machine-b", step_sleep_s=0.05)
     a.start()
     _trained_past_a_commit(a, run)

@@ -18,6 +18,9 @@ Options:
                         (block inside the shard write) in that rank's first save of a
                         step >= STEP
     --pid-dir DIR       every rank writes its pid to DIR/<rank>
+    --hold-at N         in attempt 0, after step N, wait (at most 3000 checks of 0.02 s,
+                        the same count on every rank) for a notice: a test that sends it
+                        after step N catches the run mid-training on any machine
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ def main() -> int:
     p.add_argument("--step-s", type=float, default=0.0)
     p.add_argument("--fault", default="")
     p.add_argument("--pid-dir", default="")
+    p.add_argument("--hold-at", type=int, default=-1)
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -185,6 +189,11 @@ def main() -> int:
             ckpt.save(step, state)
         if args.step_s:
             time.sleep(args.step_s)
+        if step == args.hold_at and os.environ.get("CKRUN_ATTEMPT", "0") == "0":
+            for _ in range(3000):  # every rank agrees each time: the loops end together
+                if preemption_requested(sync=True):
+                    break
+                time.sleep(0.02)
     ckpt.finalize(step, state)
     if args.dump and rank == 0:
         dump(args.dump, net)

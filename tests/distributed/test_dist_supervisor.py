@@ -127,6 +127,8 @@ def _interrupted_equals_uninterrupted(tmp_path: Path, world: int) -> None:
             str(pids),
             "--dump",
             str(tmp_path / "cut.json"),
+            "--hold-at",
+            str(notice_at),  # the ranks wait there for the notice: caught on any machine
         ],
         "--grace",
         "60",

@@ -13,8 +13,10 @@ import pytest
 from dist_helpers import REPO, finish, manifests, submit
 
 EXAMPLE = os.path.join(REPO, "examples", "train_charlm.py")
+# paced at 0.1 s a step: a fast machine must not finish before the test preempts it
 TINY = ["--fsdp", "--d-model", "32", "--layers", "2", "--heads", "2", "--block", "32",
-        "--batch", "8", "--ckpt-every", "5", "--log-every", "5", "--steps", "40"]  # fmt: skip
+        "--batch", "8", "--ckpt-every", "5", "--log-every", "5", "--steps", "40",
+        "--step-seconds", "0.1"]  # fmt: skip
 
 
 def _stop_after_a_checkpoint(tmp: Path, world: int, *extra: str) -> tuple[int, str]:

@@ -310,7 +310,7 @@ def test_one_pod_preempted_the_group_stops_at_one_step_and_resumes_exactly(
 ) -> None:
     progress, cut = tmp_path / "progress", tmp_path / "cut.json"
     args = ["--steps", str(STEPS), "--step-s", "0.15", "--progress", str(progress)]
-    args += ["--dump", str(cut)]
+    args += ["--dump", str(cut), "--hold-at", "4"]  # generation 0 waits at 4 for the drain
     store = Store(tmp_path, storage, request)
     docs = render(tmp_path, "grp", args, store.url)
     assert [d["kind"] for d in docs] == ["Service", "Job"]

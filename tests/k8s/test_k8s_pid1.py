@@ -225,7 +225,8 @@ def test_sigterm_checkpoints_and_exits_75_within_the_grace(tmp_path: Path, pods:
 
 def test_adopted_orphans_are_reaped(tmp_path: Path, pods: list[Pod]) -> None:
     """Daemonized grandchildren are re-parented to PID 1 (ckrun); their zombies vanish."""
-    pod = Pod(tmp_path, "orph", ["--orphans", "3", "--orphan-s", "1.0"])
+    # they sleep 60 s: seen adopted whatever the machine's speed, then ended by the test
+    pod = Pod(tmp_path, "orph", ["--orphans", "3", "--orphan-s", "60"])
     pods.append(pod)
 
     def adopted() -> list[int]:
@@ -233,7 +234,9 @@ def test_adopted_orphans_are_reaped(tmp_path: Path, pods: list[Pod]) -> None:
 
     orphans = _poll(lambda: len(adopted()) == 3 and adopted(), 60, "3 adopted orphans")
     assert isinstance(orphans, list)
-    # they outlive their 1 s sleep; a PID 1 that never waits would leave them as 'Z'
+    for p in orphans:
+        os.kill(p, signal.SIGTERM)
+    # a PID 1 that never waits would leave them as 'Z'
     _poll(lambda: all(_stat(p) is None for p in orphans), 20, "the orphans to be reaped")
     zombies = [p for p in _children(pod.init) if (_stat(p) or ("", 0))[0] == "Z"]
     assert zombies == []

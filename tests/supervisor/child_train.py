@@ -7,7 +7,9 @@ saves and exits 75 on a notice, and finalizes at the last step.
 Arguments: ``--steps N`` (total), ``--step-s S`` (seconds per step), ``--save-every K``,
 ``--ignore-notice`` (never checks the flag and ignores SIGTERM: tests the KILL), ``--workers W``
 (a torch DataLoader with W worker processes feeds the steps), ``--crash-at STEP``
-(exit 1 at that step in attempt 0 only).  Prints one ``step N`` line per step.
+(exit 1 at that step in attempt 0 only), ``--hold-at STEP`` (in attempt 0, after step
+STEP, wait up to 60 s for a notice: a test that preempts after ``step STEP`` then catches
+the run mid-training on a machine of any speed).  Prints one ``step N`` line per step.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> int:
     ap.add_argument("--ignore-notice", action="store_true")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--crash-at", type=int, default=-1)
+    ap.add_argument("--hold-at", type=int, default=-1)
     a = ap.parse_args()
 
     ckpt = ckrun.Checkpointer.from_env(compat={"config": {"steps": a.steps}}, rng=False)
@@ -58,6 +61,10 @@ def main() -> int:
         state["step"] = step + 1
         print(f"step {step + 1}", flush=True)
         time.sleep(a.step_s)
+        if step + 1 == a.hold_at and os.environ.get("CKRUN_ATTEMPT") == "0":
+            end = time.monotonic() + 60
+            while not ckrun.preemption_requested() and time.monotonic() < end:
+                time.sleep(0.01)
         if (step + 1) % a.save_every == 0:
             ckpt.save(step + 1, state)
     ckpt.finalize(a.steps, state)

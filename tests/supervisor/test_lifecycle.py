@@ -182,7 +182,7 @@ def test_a_stray_sleep_does_not_delay_the_exit(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     stray = int(r.stdout.split("stray ")[1].split()[0])
     assert not alive(stray)
-    assert took < 10.0, f"took {took:.1f} s"
+    assert took < 30.0, f"took {took:.1f} s"  # the defect waits out the 60 s grace
 
 
 # ------------------------------------------------------------------- item 5
@@ -345,7 +345,8 @@ def test_a_moved_run_directory_resumes_from_its_own_checkpoints(
 ) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
-    cmd = ["--", PY, CHILD, "--steps", "60", "--step-s", "0.03", "--save-every", "10"]
+    cmd = ["--", PY, CHILD, "--steps", "60", "--step-s", "0.03", "--save-every", "10",
+           "--hold-at", "25"]  # fmt: skip
     first = procs(["run", "--run", "mv", "--storage", str(a / "runs"), *cmd], tmp_path)
     first.wait_line(r"^step 25$")
     first.proc.send_signal(signal.SIGTERM)  # the node goes away: checkpoint and exit 75
