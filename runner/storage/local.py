@@ -16,15 +16,12 @@ directories and the manifest's temp file all at once (independent durability poi
 journal commit), and only then links the manifest and fsyncs its directory.  A save thus
 waits for two ordered flushes instead of four.
 
-Streaming writes (:meth:`LocalStorage.open_write`, used for checkpoint shards) go
-through ``O_DIRECT`` staging buffers by default (:mod:`ckrun.storage.direct`), at
-the disk's limit without filling the page cache.  Where ``O_DIRECT`` is refused (tmpfs)
-or with ``direct=False`` they go through the page cache and start write-back early with
-``sync_file_range(2)`` every :data:`WRITE_BEHIND_BYTES`, waiting for the window before
-the previous one, so the final fsync has little left to do and dirty pages stay bounded.
-The writer (``O_DIRECT`` with one or several writes outstanding, or write-behind) is
-chosen per location by a short measured probe, remembered (:mod:`ckrun.storage.probe`).
-Measurements: bench/README.md.
+Streaming writes (:meth:`LocalStorage.open_write`, checkpoint shards) go through
+``O_DIRECT`` staging buffers (:mod:`ckrun.storage.direct`) or, where that is refused
+(tmpfs) or slower, the page cache with write-back started early (``sync_file_range(2)``
+per :data:`WRITE_BEHIND_BYTES`; dirty pages stay bounded): the writer is chosen per
+location by a short measured probe, remembered (:mod:`ckrun.storage.probe`; figures in
+bench/README.md).
 """
 
 from __future__ import annotations
@@ -60,12 +57,10 @@ class LocalStorage:
         path: the root directory; created (with parents) if missing.
         write_behind: start write-back every :data:`WRITE_BEHIND_BYTES` during streaming
             writes (``sync_file_range``); False leaves it all to the final fsync.
-        direct: streaming writes use ``O_DIRECT`` through aligned staging buffers
-            (:mod:`ckrun.storage.direct`); falls back where unsupported.
+        direct: streaming writes may use ``O_DIRECT`` (:mod:`ckrun.storage.direct`).
 
     Raises:
-        StorageError: the root cannot be created (``StoragePermissionError`` when
-            read-only or denied).
+        StorageError: the root cannot be created (``StoragePermissionError``: denied).
     """
 
     def __init__(self, path: str, *, write_behind: bool = True, direct: bool = True):
@@ -73,6 +68,7 @@ class LocalStorage:
         self.write_behind = write_behind
         self.direct = direct
         self._choice: probe.WriterChoice | None = None
+        self._unprobed: probe.WriterChoice | None = None  # the deferred answer, kept
         self.root = os.path.abspath(path)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -92,19 +88,23 @@ class LocalStorage:
 
         Args:
             may_probe: False where the answer does not pay for a probe (a small
-                object): an unprobed location then gets ``direct:1`` for this call
-                (source ``deferred``, asked again next time), as after a notice.
+                object): an unprobed location then gets ``direct:1`` (source
+                ``deferred``), kept for such calls (no probe file read per small save);
+                the next call that may probe asks again.
 
         Raises:
             ConfigError: CKRUN_WRITER is malformed.
         """
         if self.direct and self._choice is None:
+            if not may_probe and self._unprobed is not None:
+                return self._unprobed
             try:
                 c = probe.choose(self.root, may_probe=may_probe)
             except DirectUnsupported:
                 self.direct = False
             else:
                 if c.source == "deferred":
+                    self._unprobed = c if not may_probe else self._unprobed
                     return c
                 self._choice = c
         if not self.direct:

@@ -226,6 +226,33 @@ def test_a_small_object_never_waits_for_the_probe(
     w.abort()
 
 
+def test_small_saves_of_an_unprobed_location_look_it_up_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run of small saves on a location never probed: the first asks the probe module
+    (location, probe file), the next ones reuse that answer; a large object still
+    probes."""
+    calls = _counted_probe(monkeypatch)
+    asked: list[bool] = []
+    real = probe.choose
+
+    def counted(root: str, *, may_probe: bool = True) -> probe.WriterChoice:
+        asked.append(may_probe)
+        return real(root, may_probe=may_probe)
+
+    monkeypatch.setattr(probe, "choose", counted)
+    st = LocalStorage(str(tmp_path / "run"))
+    small = stage_bytes(probe.DEEP)
+    for i in range(3):
+        w = st.open_unreferenced(f"small{i}", small)
+        assert type(w) is LocalWriter
+        w.abort()
+    assert asked == [False] and calls == []
+    w = st.open_unreferenced("large", small + 1)
+    assert w is not None and asked == [False, True] and calls == [st.root]
+    w.abort()
+
+
 def test_no_probe_once_a_notice_is_pending(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
