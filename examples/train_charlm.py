@@ -312,7 +312,9 @@ def generate(
 
 
 if __name__ == "__main__":
-    code = main()
-    if torch.distributed.is_initialized():  # gloo's threads must not outlive the interpreter
-        torch.distributed.destroy_process_group()
+    try:
+        code = main()
+    finally:
+        if torch.distributed.is_initialized():  # gloo's threads must not outlive the
+            torch.distributed.destroy_process_group()  # interpreter (an abort at exit)
     sys.exit(code)

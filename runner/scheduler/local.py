@@ -18,7 +18,9 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ckrun.errors import SchedulerError
 from ckrun.notices import DRILL, Notice, NoticeSource
@@ -115,17 +117,19 @@ class ChaosSource:
         self._started = None
 
 
-def measured_start_and_save(events_path: str) -> tuple[float | None, float | None]:
-    """(start-up, save) seconds measured in a run's event log: the longest time from an
-    attempt's ``spawn`` to its training start (``restore``/``train_start`` event), and
-    the longest ``save`` stall; None where nothing was measured."""
+def measured_start_and_save(
+    events: Iterable[Mapping[str, Any]],
+) -> tuple[float | None, float | None]:
+    """(start-up, save) seconds measured in a run's events (``events.jsonl``): the
+    longest time from an attempt's ``spawn`` to its training start (``restore``/
+    ``train_start`` event), and the longest ``save`` stall; None where nothing was
+    measured."""
     from ckrun.notices import parse_utc
-    from ckrun.runlog import read_events
 
     spawn: dict[int, float] = {}
     starts: list[float] = []
     saves: list[float] = []
-    for ev in read_events(events_path):
+    for ev in events:
         try:
             a, kind, t = int(ev.get("attempt", 0)), ev.get("kind"), ev.get("utc")
             when = parse_utc(str(t)).timestamp()
@@ -141,11 +145,20 @@ def measured_start_and_save(events_path: str) -> tuple[float | None, float | Non
 
 
 def slow_start_warning(every_s: float, control_dir: str) -> str | None:
-    """The warning of :class:`ChaosSource` (None when the interval is long enough)."""
+    """The warning of :class:`ChaosSource` for the run whose child has ``control_dir``
+    (None when the interval is long enough)."""
+    from ckrun.runlog import read_events
+
     root = os.path.normpath(control_dir)
     if os.path.basename(root).startswith("rank"):
         root = os.path.dirname(root)
-    start, save = measured_start_and_save(os.path.join(os.path.dirname(root), "events.jsonl"))
+    return chaos_warning(every_s, read_events(os.path.join(os.path.dirname(root), "events.jsonl")))
+
+
+def chaos_warning(every_s: float, events: Iterable[Mapping[str, Any]]) -> str | None:
+    """The warning for a chaos interval of ``every_s`` seconds given the run's events so
+    far: start-up plus save longer than the interval (None when it is long enough)."""
+    start, save = measured_start_and_save(events)
     if start is None:
         return None
     cost = start + (save or 0.0)

@@ -88,9 +88,8 @@ class LocalStorage:
 
         Args:
             may_probe: False where the answer does not pay for a probe (a small
-                object): an unprobed location then gets ``direct:1`` (source
-                ``deferred``), kept for such calls (no probe file read per small save);
-                the next call that may probe asks again.
+                object): an unprobed location then gets ``direct:1`` (source ``deferred``),
+                kept for such calls; the next call that may probe asks again.
 
         Raises:
             ConfigError: CKRUN_WRITER is malformed.
@@ -104,7 +103,8 @@ class LocalStorage:
                 self.direct = False
             else:
                 if c.source == "deferred":
-                    self._unprobed = c if not may_probe else self._unprobed
+                    if not may_probe:
+                        self._unprobed = c
                     return c
                 self._choice = c
         if not self.direct:

@@ -22,7 +22,7 @@ import pytest
 from browser import Elements, colour_counts, dump_dom, screenshot
 from ckrun.report.timeline_html import COLOURS
 from ckrun.runlog import read_events
-from ckrun.scheduler.local import measured_start_and_save
+from ckrun.scheduler.local import chaos_warning
 
 CHILD = str(Path(__file__).resolve().parents[1] / "supervisor" / "child_train.py")
 ENV = {"CKRUN_BACKOFF_S": "0.1", "CKRUN_KILL_DELAY_S": "1", "CKRUN_MARGIN_S": "0.5"}
@@ -50,17 +50,15 @@ def runs(tmp_path: Path) -> Iterator[str]:
             pass
 
 
-def _chaos_warning_due(evs: list[dict[str, Any]], every_s: float, scratch: Path) -> bool:
+def _chaos_warning_due(evs: list[dict[str, Any]], every_s: float) -> bool:
     """Whether any attempt after the first started with a history (the events before its
-    ``spawn``) for which :func:`slow_start_warning`'s rule holds."""
-    for i, ev in enumerate(evs):
-        if ev["kind"] != "spawn" or int(ev.get("attempt", 0)) == 0:
-            continue
-        scratch.write_text("".join(json.dumps(e) + "\n" for e in evs[:i]))
-        start, save = measured_start_and_save(str(scratch))
-        if start is not None and start + (save or 0.0) > every_s:
-            return True
-    return False
+    ``spawn``) that calls for the supervisor's chaos warning."""
+    return any(
+        ev["kind"] == "spawn"
+        and int(ev.get("attempt", 0)) > 0
+        and chaos_warning(every_s, evs[:i]) is not None
+        for i, ev in enumerate(evs)
+    )
 
 
 @pytest.mark.slow
@@ -93,7 +91,7 @@ def test_detached_chaos_run_logs_watch_runs_and_page(tmp_path: Path, runs: str) 
     # that spawn shows a start-up plus save longer than the interval (a fast machine
     # starts torch in under a second, so it is not always due)
     evs = read_events(os.path.join(runs, "demo", "events.jsonl"))
-    due = _chaos_warning_due(evs, every_s=1.0, scratch=tmp_path / "history.jsonl")
+    due = _chaos_warning_due(evs, every_s=1.0)
     assert ("is shorter than the measured start-up" in logs.stdout) == due, (due, logs.stdout)
     # --watch refreshed until the run completed, then exited by itself
     assert watch.returncode == 0
