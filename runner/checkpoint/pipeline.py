@@ -34,6 +34,7 @@ from ckrun.checkpoint.discovery import completion
 from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
+from ckrun.checkpoint.plan_memo import PlanMemo
 from ckrun.checkpoint.state import capture
 from ckrun.control import notice_pending
 from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StateUnusable, StorageError
@@ -92,15 +93,14 @@ class CommitContext:
         retaining: the retention pass of the last synchronous save, running in the
             background (:func:`retain_later`, on the one thread of ``retainer``);
             joined before the next save or load.
-        signature: the model signature of the state last seen
-            (:func:`ckrun.checkpoint.signature.of_state`), recorded in new manifests and
-            compared by the next load.
+        signature: the model signature of the state last seen (:func:`ckrun.checkpoint.
+            signature.of_state`), recorded in new manifests, compared by the next load.
         dirty: ``data_ptr → (name, tensor)`` of live tensors a failed in-place load
-            wrote and no verified load has rewritten since
-            (:mod:`ckrun.checkpoint.inplace_load`).
+            wrote and no verified load has rewritten since (:mod:`.inplace_load`).
         unusable: why the state is unusable (a dirty tensor is still in use), or None;
             every save refuses while it is set (:func:`begin`).
-        ledger: what retention knows between passes (:class:`~.retention.Ledger`).
+        ledger, plans: what retention knows between passes (:class:`~.retention.
+            Ledger`); the last save's plan, reused for its structure (:mod:`.plan_memo`).
     """
 
     storage: Storage
@@ -125,6 +125,7 @@ class CommitContext:
     dirty: dict[int, tuple[str, Any]] = field(default_factory=dict)
     unusable: str | None = None
     ledger: retention.Ledger = field(default_factory=retention.Ledger)
+    plans: PlanMemo = field(default_factory=PlanMemo)
 
     def check_fence(self, what: str) -> None:
         """Raise ``LeaseLost`` when fenced and the lease epoch is no longer current."""
@@ -205,7 +206,7 @@ def snapshot(
     Args:
         copy: clone tensors to host now (for a persist that overlaps training).
     """
-    return sharding.plan(fmt.snapshot(capture(state, rng=ctx.rng), copy=copy), ctx.group)
+    return ctx.plans.plan(fmt.snapshot(capture(state, rng=ctx.rng), copy=copy), ctx.group)
 
 
 def persist(
@@ -265,7 +266,7 @@ def persist(
         m = make(
             (ShardInfo(key, ctx.rank, size, checksum),),
             layout.manifest_key(step, area),
-            sharding.merge_layout([sharding.layout_part(snap, out)]),
+            sharding.merge_layout([sharding.layout_part(snap, out)], snap.layout_tensors),
         )
         mkey = m.key
         m = commit_manifest(ctx.storage, m, ctx.fence, after)  # conditional create, fenced
@@ -356,8 +357,7 @@ def retain_later(ctx: CommitContext, m: Manifest) -> None:
 
 
 def wait_retention(ctx: CommitContext) -> None:
-    """Join the background retention pass of the last save, if any (errors are logged
-    by :func:`retain` itself)."""
+    """Join the last save's background retention pass, if any (:func:`retain` logs)."""
     f, ctx.retaining = ctx.retaining, None
     if f is not None:
         f.result()

@@ -82,6 +82,28 @@ class Planned(fmt.Snapshot):
     names: list[str] = field(default_factory=list)
     pieces: list[list[Any]] = field(default_factory=list)
     globals: dict[str, list[Any]] = field(default_factory=dict)
+    prepared: st_format.Prepared | None = None
+    layout_tensors: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What :func:`plan` decides apart from the tensors themselves; it depends only on
+    their paths, dtypes and shapes (and, with several ranks, on which are replicated),
+    so one rank alone may reuse it for a state of the same structure
+    (:mod:`ckrun.checkpoint.plan_memo`).  ``paths``: :func:`tensor_paths` by tensor
+    index; ``global_of``: tensor index → owner rank (-1: a DTensor, every rank writes
+    its shard; absent: rank-local); ``local_index``: rank-local tensor index → entry
+    index; ``take``: per entry ``(tensor index, first row, end row)``, rows None for the
+    whole tensor (a DTensor's local shard); the rest as :class:`Planned`'s."""
+
+    paths: list[str]
+    global_of: dict[int, int]
+    local_index: dict[int, int]
+    take: list[tuple[int, int | None, int | None]]
+    names: list[str]
+    pieces: list[list[Any]]
+    globals: dict[str, list[Any]]
 
 
 def tensor_paths(tree: Any) -> list[str]:
@@ -152,17 +174,30 @@ def dtensor_box(t: Any) -> tuple[list[int], list[int], bool]:
     return list(offset), list(shape), writes
 
 
-def _cut(t: torch.Tensor, offsets: list[int], limit: int) -> list[tuple[torch.Tensor, list[int]]]:
-    """``t`` (at global ``offsets``) cut along dimension 0 into pieces <= ``limit`` bytes."""
-    if t.numel() == 0:
+def _cut(
+    shape: list[int], itemsize: int, offsets: list[int], limit: int
+) -> list[tuple[int | None, int | None, list[int], list[int]]]:
+    """A tensor of ``shape`` (at global ``offsets``) cut along dimension 0 into pieces
+    <= ``limit`` bytes: ``(first row, end row, offsets, shape)`` of each piece; rows
+    None for one piece that is the tensor itself (not a view of it)."""
+    numel = math.prod(shape)
+    if numel == 0:
         return []
-    if t.dim() == 0:
-        return [(t, [])]
-    if t.numel() * t.element_size() <= limit:
-        return [(t, list(offsets))]  # one piece: the tensor itself, not a view of it
-    row = max(1, t[0].numel() * t.element_size())
+    if not shape:
+        return [(None, None, [], [])]
+    if numel * itemsize <= limit:
+        return [(None, None, list(offsets), list(shape))]
+    row = max(1, numel // shape[0] * itemsize)
     rows = max(1, limit // row)
-    return [(t[a : a + rows], [offsets[0] + a, *offsets[1:]]) for a in range(0, t.shape[0], rows)]
+    return [
+        (
+            a,
+            min(a + rows, shape[0]),
+            [offsets[0] + a, *offsets[1:]],
+            [min(rows, shape[0] - a), *shape[1:]],
+        )
+        for a in range(0, shape[0], rows)
+    ]
 
 
 def _fingerprint(t: torch.Tensor) -> int:
@@ -177,7 +212,11 @@ def plan(snap: fmt.Snapshot, group: Group, *, limit: int | None = None) -> Plann
         CheckpointError: the ranks hold differently structured states, or a DTensor
             placement that cannot be saved shard by shard.
     """
-    limit = limit or piece_bytes()
+    return materialize(snap, structure(snap, group, limit or piece_bytes()))
+
+
+def structure(snap: fmt.Snapshot, group: Group, limit: int) -> Structure:
+    """:func:`plan`'s decisions for ``snap`` (a collective with > 1 rank); raises as it."""
     dtensor = dtensor_type()
     names = tensor_paths(snap.tree)
     kinds: list[list[Any]] = []
@@ -212,7 +251,7 @@ def plan(snap: fmt.Snapshot, group: Group, *, limit: int | None = None) -> Plann
         owner = sizes.index(min(sizes))  # the least loaded rank, the lowest on a tie
         global_of[i] = owner
         sizes[owner] += nbytes
-    return _build(snap, names, kinds, global_of, group.rank, limit)
+    return _decide(snap, names, kinds, global_of, group.rank, limit)
 
 
 def _bytes_of(kind: list[Any]) -> int:
@@ -221,15 +260,15 @@ def _bytes_of(kind: list[Any]) -> int:
     return int(math.prod(kind[2]) * fmt.DTYPES[kind[1]].itemsize)
 
 
-def _build(
+def _decide(
     snap: fmt.Snapshot,
     names: list[str],
     kinds: list[list[Any]],
     global_of: dict[int, int],
     rank: int,
     limit: int,
-) -> Planned:
-    tensors: list[fmt.HostArray] = []
+) -> Structure:
+    take: list[tuple[int, int | None, int | None]] = []
     entry_names: list[str] = []
     pieces: list[list[Any]] = []
     globals_: dict[str, list[Any]] = {}
@@ -237,25 +276,38 @@ def _build(
     for i, t in enumerate(snap.tensors):
         name = names[i]
         if i not in global_of:
-            local_index[i] = len(tensors)
-            tensors.append(t)
+            local_index[i] = len(take)
+            take.append((i, None, None))
             entry_names.append(name)
             continue
         globals_[name] = [kinds[i][1], kinds[i][2]]
         if global_of[i] == -1:
             offsets, _, writes = dtensor_box(t)
-            local = cast(Any, t).to_local().contiguous() if writes else None
+            lengths = list(cast(Any, t).to_local().shape)
         else:
-            offsets, writes = [0] * len(kinds[i][2]), global_of[i] == rank
-            local = t if writes else None
-        if local is None:
+            offsets, lengths, writes = [0] * len(kinds[i][2]), kinds[i][2], global_of[i] == rank
+        if not writes:
             continue
-        for part, off in _cut(local, offsets, limit):
-            shape = list(part.shape)
+        for a, b, off, shape in _cut(lengths, fmt.DTYPES[kinds[i][1]].itemsize, offsets, limit):
             entry = name if shape == kinds[i][2] else f"{name}@{','.join(map(str, off))}"
-            tensors.append(part)
+            take.append((i, a, b))
             entry_names.append(entry)
             pieces.append([name, entry, off, shape])
+    return Structure(names, global_of, local_index, take, entry_names, pieces, globals_)
+
+
+def materialize(snap: fmt.Snapshot, st: Structure, **cached: Any) -> Planned:
+    """The :class:`Planned` of ``snap`` under ``st`` (the tensors of ``snap`` cut as
+    ``st`` says, its tree with the global tensors named); ``cached``: the header and
+    layout parts kept with ``st`` (``prepared``, ``layout_tensors``)."""
+    tensors: list[fmt.HostArray] = []
+    local: dict[int, Any] = {}  # a DTensor's local shard, made contiguous once
+    for i, a, b in st.take:
+        t: Any = snap.tensors[i]
+        if st.global_of.get(i) == -1:
+            t = local[i] if i in local else local.setdefault(i, t.to_local().contiguous())
+        tensors.append(t if a is None else t[a:b])
+    names, global_of, local_index = st.paths, st.global_of, st.local_index
 
     def rebind(v: Any) -> Any:
         if isinstance(v, list):
@@ -271,7 +323,7 @@ def _build(
         return {k: rebind(x) for k, x in v.items()}
 
     nbytes = sum(fmt.nbytes(t) for t in tensors)
-    return Planned(rebind(snap.tree), tensors, nbytes, entry_names, pieces, globals_)
+    return Planned(rebind(snap.tree), tensors, nbytes, st.names, st.pieces, st.globals, **cached)
 
 
 def restaged(p: Planned, tensors: list[Any]) -> Planned:
@@ -283,7 +335,7 @@ def write_object(w: ObjectWriter, p: Planned) -> st_format.Written:
     """Write ``p`` as a format-2 shard into ``w`` and commit it; on any error abort ``w``
     (nothing is left under the key) and re-raise."""
     try:
-        out = st_format.write(w, p.tree, p.tensors, p.names)
+        out = st_format.write(w, p.tree, p.tensors, p.names, p.prepared)
         w.commit()
     except BaseException:
         w.abort()
@@ -302,8 +354,27 @@ def layout_part(p: Planned, written: st_format.Written) -> dict[str, Any]:
     }
 
 
-def merge_layout(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_layout(
+    parts: list[dict[str, Any]], tensors: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The manifest's ``layout`` from every rank's :func:`layout_part`, by rank.
+
+    Args:
+        tensors: :func:`layout_tensors` of these parts, kept from a save of the same
+            structure (:class:`Planned`'s ``layout_tensors``).
+
+    Raises:
+        CheckpointError: as :func:`layout_tensors`.
+    """
+    shards = [{k: part[k] for k in ("header_bytes", "header_crc", "entries")} for part in parts]
+    if tensors is None:
+        tensors = layout_tensors(parts)
+    return {"version": LAYOUT_VERSION, "shards": shards, "tensors": tensors}
+
+
+def layout_tensors(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The layout's global tensors (dtype, shape, pieces by rank) from every rank's
+    ``pieces`` and ``globals`` (:func:`layout_part`), by rank.
 
     Raises:
         CheckpointError: the pieces of a tensor do not cover it exactly once (the ranks
@@ -325,5 +396,4 @@ def merge_layout(parts: list[dict[str, Any]]) -> dict[str, Any]:
                 f"the saved pieces of {g} cover {covered} of {math.prod(spec['shape'])} "
                 "elements: the ranks did not plan the same save"
             )
-    shards = [{k: part[k] for k in ("header_bytes", "header_crc", "entries")} for part in parts]
-    return {"version": LAYOUT_VERSION, "shards": shards, "tensors": tensors}
+    return tensors

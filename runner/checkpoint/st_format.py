@@ -126,10 +126,39 @@ def table(tensors: Sequence[fmt.HostArray]) -> tuple[list[dict[str, Any]], int]:
     return out, off
 
 
-def build_header(
-    tree: Any, tensors: Sequence[fmt.HostArray], names: Sequence[str]
-) -> tuple[bytes, list[dict[str, Any]], int]:
-    """The header block (8-byte length + padded JSON), the table and the data size."""
+@dataclass(frozen=True)
+class Prepared:
+    """The part of a shard's header that depends only on its entries' names, dtypes and
+    shapes (not on their values nor on the tree's other leaves): computed once per
+    structure and reused by the saves of the same structure
+    (:mod:`ckrun.checkpoint.plan_memo`).
+
+    Attributes:
+        entries: JSON text of ckrun's entry descriptions (``[{"name", "dtype" | "np",
+            "shape"}]``).
+        head: JSON text of the safetensors entries (``"name":{"dtype","shape",
+            "data_offsets"}`` joined by commas, without braces).
+        table: per entry ``{"offset", "nbytes"}`` in the data region (:func:`table`).
+        data_bytes: the data region's size in bytes.
+        order: entry indices by increasing offset (the order they are written in).
+    """
+
+    entries: str
+    head: str
+    table: list[dict[str, Any]]
+    data_bytes: int
+    order: list[int]
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+def prepare(tensors: Sequence[fmt.HostArray], names: Sequence[str]) -> Prepared:
+    """The structure-only part of the header of a shard of ``tensors`` named ``names``.
+
+    Raises:
+        ValueError: duplicate names, or an entry named ``__metadata__``.
+    """
     if len(set(names)) != len(names) or "__metadata__" in names:
         raise ValueError("shard entry names must be unique and not __metadata__")
     tab, data_bytes = table(tensors)
@@ -142,32 +171,58 @@ def build_header(
             "shape": shape,
             "data_offsets": [e["offset"], e["offset"] + e["nbytes"]],
         }
-    ck = {"tree": tree, "entries": descs, "data_bytes": data_bytes}
-    meta = {
-        "format": fmt.FORMAT,
-        "format_version": str(FORMAT_VERSION),
-        "ckrun": json.dumps(ck, separators=(",", ":"), allow_nan=False),
-    }
-    body = json.dumps({"__metadata__": meta, **head}, separators=(",", ":")).encode()
+    order = sorted(range(len(tensors)), key=lambda i: tab[i]["offset"])
+    return Prepared(_JSON(descs), _JSON(head)[1:-1], tab, data_bytes, order)
+
+
+def header_block(tree: Any, p: Prepared) -> bytes:
+    """The header block (8-byte length + JSON padded to :data:`DATA_ALIGN`) of a shard
+    whose tree is ``tree`` and whose entries ``p`` describes.  The JSON is assembled from
+    ``p``'s texts: the same bytes as ``json.dumps`` of the whole header (compact
+    separators, ASCII), which ``tests/checkpoint/test_plan_memo.py`` checks.
+
+    Raises:
+        ValueError: ``tree`` holds a NaN or infinite float (encoded trees never do).
+    """
+    ck = f'{{"tree":{_JSON(tree)},"entries":{p.entries},"data_bytes":{p.data_bytes}}}'
+    meta = _JSON({"format": fmt.FORMAT, "format_version": str(FORMAT_VERSION), "ckrun": ck})
+    body = f'{{"__metadata__":{meta}{"," if p.head else ""}{p.head}}}'.encode()
     total = fmt.align_up(LEN.size + len(body), DATA_ALIGN)
     body += b" " * (total - LEN.size - len(body))
-    return LEN.pack(len(body)) + body, tab, data_bytes
+    return LEN.pack(len(body)) + body
+
+
+def build_header(
+    tree: Any, tensors: Sequence[fmt.HostArray], names: Sequence[str]
+) -> tuple[bytes, list[dict[str, Any]], int]:
+    """The header block (8-byte length + padded JSON), the table and the data size."""
+    p = prepare(tensors, names)
+    return header_block(tree, p), p.table, p.data_bytes
 
 
 def write(
-    w: ObjectWriter, tree: Any, tensors: Sequence[fmt.HostArray], names: Sequence[str]
+    w: ObjectWriter,
+    tree: Any,
+    tensors: Sequence[fmt.HostArray],
+    names: Sequence[str],
+    prepared: Prepared | None = None,
 ) -> Written:
     """Stream one shard into ``w`` (not committed), hashing each entry once.
+
+    Args:
+        prepared: :func:`prepare` of ``tensors`` and ``names`` when the caller kept it
+            from a save of the same structure (their dtypes and shapes unchanged).
 
     Raises:
         StorageError: from the writer.
     """
-    head, tab, _ = build_header(tree, tensors, names)
+    p = prepared or prepare(tensors, names)
+    head, tab = header_block(tree, p), p.table
     hcrc = crc32c.crc32c(head)
     w.write(head)
     crc, pos = hcrc, len(head)
     entries: dict[str, list[Any]] = {}
-    for i in sorted(range(len(tensors)), key=lambda i: tab[i]["offset"]):
+    for i in p.order:
         t = tensors[i]
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             t = t.to("cpu")  # one tensor at a time: host memory stays bounded
