@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.manifest import Manifest
@@ -110,8 +111,8 @@ def commit_manifest(
             fence.check(what)
         try:
             if after:
-                assert isinstance(storage, PublishesAfter)
-                storage.put_after(m.key, body, after, if_absent=True)
+                # ``after`` came from this storage's ``open_unreferenced``
+                cast(PublishesAfter, storage).put_after(m.key, body, after, if_absent=True)
             else:
                 storage.put(m.key, body, if_absent=True)
         except ObjectExists:

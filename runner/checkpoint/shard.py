@@ -133,7 +133,25 @@ def _tag(kind: str, **kw: Any) -> dict[str, Any]:
     return {TAG: kind, **kw}
 
 
-def _encode(v: Any, tensors: list[Any], path: str, copy: bool) -> Any:
+_SAVED_DTYPES = frozenset(DTYPES.values())
+
+
+def _where(path: Any) -> str:
+    """The dotted path of a value (``state.user.model[2]``) from the chain the encoder
+    passes down, ``(parent, ".", key)`` or ``(parent, "[", index)``: built only for an
+    error message, not for every value of every save."""
+    parts = []
+    while isinstance(path, tuple):
+        path, sep, k = path
+        parts.append(f".{k}" if sep == "." else f"[{k}]")
+    return str(path) + "".join(reversed(parts))
+
+
+def _encode(v: Any, tensors: list[Any], path: Any, copy: bool) -> Any:
+    if isinstance(v, torch.Tensor):  # the common leaves first (no ndarray is either)
+        return _tensor(v, tensors, path, copy)
+    if isinstance(v, dict) or isinstance(v, Mapping):
+        return _mapping(v, tensors, path, copy)
     np = sys.modules.get("numpy")  # an ndarray exists only if numpy was imported
     if np is not None and isinstance(v, (np.ndarray, np.generic)):
         return _numpy_value(v, tensors, path, copy)
@@ -141,18 +159,13 @@ def _encode(v: Any, tensors: list[Any], path: str, copy: bool) -> Any:
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else _tag("float", v=repr(v))
-    if isinstance(v, torch.Tensor):
-        return _tensor(v, tensors, path, copy)
-    if isinstance(v, Mapping):
-        return _mapping(v, tensors, path, copy)
     if isinstance(v, list):
-        return [_encode(x, tensors, f"{path}[{i}]", copy) for i, x in enumerate(v)]
+        return [_encode(x, tensors, (path, "[", i), copy) for i, x in enumerate(v)]
     if isinstance(v, torch.Size):
         return _tag("size", v=list(v))
     if isinstance(v, tuple):
-        return _tag(
-            "tuple", items=[_encode(x, tensors, f"{path}[{i}]", copy) for i, x in enumerate(v)]
-        )
+        items = [_encode(x, tensors, (path, "[", i), copy) for i, x in enumerate(v)]
+        return _tag("tuple", items=items)
     if isinstance(v, (bytes, bytearray)):
         return _tag("bytes", b64=base64.b64encode(bytes(v)).decode())
     if isinstance(v, torch.dtype):
@@ -160,28 +173,28 @@ def _encode(v: Any, tensors: list[Any], path: str, copy: bool) -> Any:
     if isinstance(v, torch.device):
         return _tag("device", v=str(v))
     raise CheckpointError(
-        f"{path}: cannot checkpoint a value of type {type(v).__qualname__}; store tensors, "
-        "numbers, strings, lists, tuples or dicts (or an object with state_dict())"
+        f"{_where(path)}: cannot checkpoint a value of type {type(v).__qualname__}; store "
+        "tensors, numbers, strings, lists, tuples or dicts (or an object with state_dict())"
     )
 
 
-def _numpy_value(v: Any, tensors: list[Any], path: str, copy: bool) -> Any:
+def _numpy_value(v: Any, tensors: list[Any], path: Any, copy: bool) -> Any:
     import numpy as np
 
     if isinstance(v, np.generic):
         return _tag("npscalar", dtype=v.dtype.str, v=_encode(v.item(), tensors, path, copy))
     if v.dtype.hasobject:
-        raise CheckpointError(f"{path}: numpy arrays of Python objects cannot be saved")
+        raise CheckpointError(f"{_where(path)}: numpy arrays of Python objects cannot be saved")
     tensors.append(np.ascontiguousarray(v).copy() if copy else np.ascontiguousarray(v))
     return _tag("ndarray", i=len(tensors) - 1)
 
 
-def _mapping(v: Mapping[Any, Any], tensors: list[Any], path: str, copy: bool) -> Any:
+def _mapping(v: Mapping[Any, Any], tensors: list[Any], path: Any, copy: bool) -> Any:
     meta = getattr(v, "_metadata", None)
     if all(isinstance(k, str) for k in v) and TAG not in v and meta is None:
-        return {k: _encode(x, tensors, f"{path}.{k}", copy) for k, x in v.items()}
+        return {k: _encode(x, tensors, (path, ".", k), copy) for k, x in v.items()}
     items = [
-        [_encode(k, tensors, path, copy), _encode(x, tensors, f"{path}.{k}", copy)]
+        [_encode(k, tensors, path, copy), _encode(x, tensors, (path, ".", k), copy)]
         for k, x in v.items()
     ]
     if meta is not None:
@@ -189,18 +202,19 @@ def _mapping(v: Mapping[Any, Any], tensors: list[Any], path: str, copy: bool) ->
     return _tag("dict", items=items)
 
 
-def _tensor(t: torch.Tensor, tensors: list[Any], path: str, copy: bool) -> Any:
-    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
-        raise CheckpointError(f"{path}: only dense tensors can be saved (got {t.layout})")
-    if str(t.dtype).removeprefix("torch.") not in DTYPES:
-        raise CheckpointError(f"{path}: unsupported tensor dtype {t.dtype}")
-    t = t.detach()
+def _tensor(t: torch.Tensor, tensors: list[Any], path: Any, copy: bool) -> Any:
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+        raise CheckpointError(f"{_where(path)}: only dense tensors can be saved (got {t.layout})")
+    if t.dtype not in _SAVED_DTYPES:
+        raise CheckpointError(f"{_where(path)}: unsupported tensor dtype {t.dtype}")
+    if t.requires_grad:
+        t = t.detach()
     if copy:
         t = t.to("cpu", copy=True).contiguous()
     elif not t.is_contiguous():
         t = t.contiguous()
     tensors.append(t)
-    return _tag("tensor", i=len(tensors) - 1)
+    return {TAG: "tensor", "i": len(tensors) - 1}
 
 
 def bytes_view(t: HostArray) -> memoryview:

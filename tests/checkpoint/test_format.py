@@ -102,6 +102,11 @@ def test_unsupported_values_refused(bad: Any) -> None:
         fmt.snapshot({"x": bad})
 
 
+def test_a_refused_value_is_named_by_its_path() -> None:
+    with pytest.raises(CheckpointError, match=r"^state\.a\[1\]\.b\[0\]: cannot checkpoint a"):
+        fmt.snapshot({"a": [0, {"b": (object(),)}]})
+
+
 def test_snapshot_copy_is_independent() -> None:
     t = torch.ones(3)
     snap = fmt.snapshot({"t": t}, copy=True)
