@@ -39,9 +39,8 @@ class PlanMemo:
     """The structure of the last single-rank save and what was computed from it."""
 
     def __init__(self) -> None:
-        self._key: tuple[Any, ...] | None = None
-        self._structure: sharding.Structure | None = None
-        self._cached: dict[str, Any] = {}
+        # (key, structure, cached parts): one attribute, replaced as a whole
+        self._memo: tuple[tuple[Any, ...], sharding.Structure, dict[str, Any]] | None = None
         self.hits = 0  # saves planned from the memo (observed by the tests)
 
     def plan(self, snap: fmt.Snapshot, group: sharding.Group) -> sharding.Planned:
@@ -58,20 +57,18 @@ class PlanMemo:
             return sharding.plan(snap, group)
         limit = sharding.piece_bytes()
         key = (limit, sharding.tensor_paths(snap.tree), [_meta(t) for t in snap.tensors])
-        if key == self._key and self._structure is not None:
+        memo = self._memo
+        if memo is not None and memo[0] == key:
             self.hits += 1
-            return sharding.materialize(snap, self._structure, **self._cached)
-        self._key = self._structure = None  # a failure below leaves no stale memo
+            return sharding.materialize(snap, memo[1], **memo[2])
+        self._memo = None  # a failure below leaves no stale memo
         st = sharding.structure(snap, group, limit)
         p = sharding.materialize(snap, st)
-        cached: dict[str, Any] = {}
         try:
-            cached["prepared"] = st_format.prepare(p.tensors, p.names)
+            prepared = st_format.prepare(p.tensors, p.names)
         except ValueError:
-            pass  # write() raises it for this save; not kept
-        cached["layout_tensors"] = sharding.layout_tensors(
-            [{"pieces": p.pieces, "globals": p.globals}]
-        )
-        self._key, self._structure, self._cached = key, st, cached
-        p.prepared, p.layout_tensors = cached.get("prepared"), cached["layout_tensors"]
+            return p  # duplicate entry names: write() refuses them, as without the memo
+        lay = sharding.layout_tensors([{"pieces": p.pieces, "globals": p.globals}])
+        self._memo = (key, st, {"prepared": prepared, "layout_tensors": lay})
+        p.prepared, p.layout_tensors = prepared, lay
         return p

@@ -207,7 +207,7 @@ def _tensor(t: torch.Tensor, tensors: list[Any], path: Any, copy: bool) -> Any:
         raise CheckpointError(f"{_where(path)}: only dense tensors can be saved (got {t.layout})")
     if t.dtype not in _SAVED_DTYPES:
         raise CheckpointError(f"{_where(path)}: unsupported tensor dtype {t.dtype}")
-    if t.requires_grad:
+    if t.requires_grad or t.is_inference():  # an inference tensor's alias has a version
         t = t.detach()
     if copy:
         t = t.to("cpu", copy=True).contiguous()
