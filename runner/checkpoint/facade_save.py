@@ -23,6 +23,7 @@ from ckrun.checkpoint.marker import CompletionMarker
 from ckrun.checkpoint.pipeline import CommitContext
 from ckrun.checkpoint.reporting import report_save
 from ckrun.checkpoint.sharding import Planned
+from ckrun.control import record_notice_save
 from ckrun.storage.base import ObjectWriter
 
 if TYPE_CHECKING:
@@ -66,11 +67,13 @@ class SaveMethods:
             CheckpointError: a value in ``state`` cannot be checkpointed.
         """
         t0 = time.monotonic()
-        m = self._save(step, state, pipeline.kind_for(self._ctx, step), metrics)
-        report_save(m, time.monotonic() - t0, "sync", self._ctx.rank)
-        from ckrun.control import record_notice_save
-
-        record_notice_save(m.step)  # after a notice: an exit now is a preemption
+        m, fresh = self._save(step, state, pipeline.kind_for(self._ctx, step), metrics)
+        try:
+            report_save(m, time.monotonic() - t0, "sync", self._ctx.rank)
+            record_notice_save(m.step)  # after a notice: an exit now is a preemption
+        finally:
+            if fresh:  # the last step: waking its thread costs the save nothing
+                pipeline.retain_later(self._ctx, m)
         return m
 
     def finalize(
@@ -102,7 +105,9 @@ class SaveMethods:
             m = existing
         else:
             t0 = time.monotonic()
-            m = self._save(step, state, ManifestKind.FINAL, metrics)
+            m, fresh = self._save(step, state, ManifestKind.FINAL, metrics)
+            if fresh:
+                pipeline.retain_later(ctx, m)
             report_save(m, time.monotonic() - t0, "sync", ctx.rank)
         if ctx.rank == 0:
             ctx.check_fence(f"completion marker of step {step}")
@@ -114,30 +119,35 @@ class SaveMethods:
 
     def _save(
         self, step: int, state: Mapping[str, Any], kind: str, metrics: Mapping[str, Any] | None
-    ) -> Manifest:
+    ) -> tuple[Manifest, bool]:
+        """The synchronous save of ``save`` and ``finalize``: the committed manifest, and
+        whether this call committed it (then its retention pass is due: the caller
+        starts it with :func:`~ckrun.checkpoint.pipeline.retain_later` once nothing
+        else of the save is left, so the retention thread's wake-up does not delay the
+        save's return; issue 19, bench/README.md "Eleventh session")."""
         started, created = time.monotonic(), utc_now()
         pipeline.check_step(step)
         pipeline.begin(self._ctx)
         if self._async is not None:  # an async save in flight first (deadline-aware)
             early = self._async.before_sync_save(step, kind)
             if early is not None:
-                return early
+                return early, False
         last = pipeline.already_committed(self._ctx, step, kind)
         if last is not None:
-            return last
-        compat = self.compat_block(state)
+            return last, False
         snap = self.snapshot(state)
         m = self.persist(
             step,
             snap,
             kind=kind,
-            compat=compat,
+            # built while the shard's write-back runs (the state is unchanged until the
+            # save returns): off the time the save waits for the disk
+            compat=lambda: self.compat_block(state),
             metrics=metrics,
             created_utc=created,
             started=started,
         )
-        pipeline.retain_later(self._ctx, m)  # after the commit, off the save's return
-        return m
+        return m, True
 
     def persist(
         self,
@@ -145,14 +155,15 @@ class SaveMethods:
         snap: Planned,
         *,
         kind: str,
-        compat: dict[str, Any],
+        compat: dict[str, Any] | Callable[[], dict[str, Any]],
         metrics: Mapping[str, Any] | None,
         created_utc: str,
         started: float,
         open_shard: Callable[[str], ObjectWriter] | None = None,
     ) -> Manifest:
         """Steps 2-4 of a save: write the shard, check its size, commit the manifest
-        (:func:`ckrun.checkpoint.pipeline.persist`)."""
+        (:func:`ckrun.checkpoint.pipeline.persist`; ``compat`` the compat block or a
+        function building it from a state that does not change meanwhile)."""
         return pipeline.persist(
             self._ctx,
             step,

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from ckrun.checkpoint import collective, layout, retention, sharding
@@ -35,39 +35,14 @@ from ckrun.checkpoint.lease import Fence
 from ckrun.checkpoint.lock import WriterLock
 from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo, utc_now
 from ckrun.checkpoint.plan_memo import PlanMemo
+from ckrun.checkpoint.save_handle import SaveHandle as SaveHandle  # its former home
 from ckrun.checkpoint.state import capture
 from ckrun.control import notice_pending
 from ckrun.errors import CheckpointError, LeaseLost, RunComplete, StateUnusable, StorageError
 from ckrun.storage import priority
-from ckrun.storage.base import ObjectWriter, PublishesAfter, Storage
+from ckrun.storage.base import ObjectWriter, PublishesAfter, Storage, publishes_after
 
 log = logging.getLogger(__name__)
-
-
-class SaveHandle:
-    """A save that is running or done; ``result()`` returns its committed Manifest.
-
-    ``save`` returns manifests directly; ``async_save`` returns handles backed by a
-    background persist (:class:`ckrun.checkpoint.async_save.AsyncSaveHandle`).
-    """
-
-    def __init__(self, future: Future[Manifest]):
-        self._future = future
-
-    @classmethod
-    def completed(cls, manifest: Manifest) -> SaveHandle:
-        """A handle for a save that already committed."""
-        f: Future[Manifest] = Future()
-        f.set_result(manifest)
-        return cls(f)
-
-    def done(self) -> bool:
-        """True once the save committed or failed."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Manifest:
-        """Wait (at most ``timeout`` seconds) and return the manifest; re-raises errors."""
-        return self._future.result(timeout)
 
 
 @dataclass
@@ -215,13 +190,17 @@ def persist(
     snap: sharding.Planned,
     *,
     kind: str,
-    compat: dict[str, Any],
+    compat: dict[str, Any] | Callable[[], dict[str, Any]],
     metrics: Mapping[str, Any] | None,
     created_utc: str,
     started: float,
     open_shard: Callable[[str], ObjectWriter] | None = None,
 ) -> Manifest:
     """Steps 2-4: write the shard, check its size, commit the manifest.
+
+    ``compat`` is the compat block, or a function that builds it (and the state's
+    signature) from a state unchanged until the commit: one rank calls it after its
+    shard is written, while the disk writes the shard back (issue 19, small saves).
 
     ``open_shard`` opens the shard's writer (default ``storage.open_write``; async saves
     pass a zero-copy writer over their host buffers, :mod:`ckrun.checkpoint.host_buffers`).
@@ -233,9 +212,12 @@ def persist(
     try:
         kind = ManifestKind(kind)  # a ManifestKind, or its value
 
+        block = None if callable(compat) and ctx.world_size == 1 else _block(compat)
+
         def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
+            b = _block(compat) if block is None else block
             return make_manifest(
-                ctx, step, kind, shards, compat, metrics, created_utc, started, mkey, lay
+                ctx, step, kind, shards, b, metrics, created_utc, started, mkey, lay
             )
 
         if ctx.world_size > 1:  # collective: every rank's shard, rank 0 commits
@@ -281,6 +263,10 @@ def persist(
         raise
 
 
+def _block(compat: dict[str, Any] | Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    return compat() if callable(compat) else compat
+
+
 def open_single_shard(
     storage: Storage,
     key: str,
@@ -292,8 +278,8 @@ def open_single_shard(
     or rename; its fsyncs batched with the manifest's, :class:`PublishesAfter`; sized
     by ``data_bytes``, the shard's tensor bytes), else ``open_shard`` or
     ``storage.open_write`` (durable at its own commit)."""
-    if open_shard is None and isinstance(storage, PublishesAfter):
-        w = storage.open_unreferenced(key, data_bytes)
+    if open_shard is None and publishes_after(type(storage)):
+        w = cast(PublishesAfter, storage).open_unreferenced(key, data_bytes)
         if w is not None:
             return w, (w,)
     return (open_shard or storage.open_write)(key), ()

@@ -56,13 +56,14 @@ class PlanMemo:
         ):
             return sharding.plan(snap, group)
         limit = sharding.piece_bytes()
-        key = (limit, sharding.tensor_paths(snap.tree), [_meta(t) for t in snap.tensors])
+        paths = sharding.tensor_paths(snap.tree)
+        key = (limit, paths, [_meta(t) for t in snap.tensors])
         memo = self._memo
         if memo is not None and memo[0] == key:
             self.hits += 1
             return sharding.materialize(snap, memo[1], **memo[2])
         self._memo = None  # a failure below leaves no stale memo
-        st = sharding.structure(snap, group, limit)
+        st = sharding.structure(snap, group, limit, paths)
         p = sharding.materialize(snap, st)
         try:
             prepared = st_format.prepare(p.tensors, p.names)

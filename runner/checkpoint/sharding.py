@@ -16,11 +16,10 @@ Every tensor of the captured state is one of three kinds:
 
 Replicated and DTensor tensors are *global*: the shard's tree names them
 (``{"__ckrun__": "global", "name": g}``) and the manifest's ``layout`` records their
-global shape, dtype and every saved piece (rank, entry, offsets, lengths): a
-description that does not depend on the parallelism, like DCP's ``Metadata``.  Pieces
-are cut along dimension 0 to at most :data:`PIECE_BYTES` (``CKRUN_PIECE_BYTES``), so a
-resharded load reads at most one piece beyond what it needs at each end of a range, and
-verifies every byte it reads by the piece's CRC32C.
+global shape, dtype and every saved piece (rank, entry, offsets, lengths), independent
+of the parallelism, like DCP's ``Metadata``.  Pieces are cut along dimension 0 to at
+most :data:`PIECE_BYTES` (``CKRUN_PIECE_BYTES``): a resharded load reads at most one
+piece more than it needs at each end of a range, verified by the piece's CRC32C.
 """
 
 from __future__ import annotations
@@ -88,14 +87,13 @@ class Planned(fmt.Snapshot):
 
 @dataclass(frozen=True)
 class Structure:
-    """What :func:`plan` decides apart from the tensors themselves; it depends only on
-    their paths, dtypes and shapes (and, with several ranks, on which are replicated),
-    so one rank alone may reuse it for a state of the same structure
-    (:mod:`ckrun.checkpoint.plan_memo`).  ``paths``: :func:`tensor_paths` by tensor
-    index; ``global_of``: tensor index → owner rank (-1: a DTensor, every rank writes
-    its shard; absent: rank-local); ``local_index``: rank-local tensor index → entry
-    index; ``take``: per entry ``(tensor index, first row, end row)``, rows None for the
-    whole tensor (a DTensor's local shard); the rest as :class:`Planned`'s."""
+    """What :func:`plan` decides apart from the tensors themselves: from their paths,
+    dtypes and shapes alone (and, with several ranks, which are replicated), so one rank
+    reuses it for a state of the same structure (:mod:`.plan_memo`).  ``paths``:
+    :func:`tensor_paths` by tensor index; ``global_of``: tensor index → owner rank (-1:
+    a DTensor, every rank writes its shard; absent: rank-local); ``local_index``:
+    rank-local tensor index → entry index; ``take``: per entry ``(tensor index, first
+    row, end row)``, rows None for a DTensor's local shard; the rest as Planned's."""
 
     paths: list[str]
     global_of: dict[int, int]
@@ -215,10 +213,13 @@ def plan(snap: fmt.Snapshot, group: Group, *, limit: int | None = None) -> Plann
     return materialize(snap, structure(snap, group, limit or piece_bytes()))
 
 
-def structure(snap: fmt.Snapshot, group: Group, limit: int) -> Structure:
-    """:func:`plan`'s decisions for ``snap`` (a collective with > 1 rank); raises as it."""
+def structure(
+    snap: fmt.Snapshot, group: Group, limit: int, paths: list[str] | None = None
+) -> Structure:
+    """:func:`plan`'s decisions for ``snap`` (a collective with > 1 rank; ``paths``: its
+    :func:`tensor_paths` when known); raises as :func:`plan`."""
     dtensor = dtensor_type()
-    names = tensor_paths(snap.tree)
+    names = tensor_paths(snap.tree) if paths is None else paths
     kinds: list[list[Any]] = []
     for name, t in zip(names, snap.tensors, strict=True):
         if dtensor is not None and isinstance(t, dtensor):

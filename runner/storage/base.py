@@ -34,6 +34,7 @@ protocol relies on:
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -230,6 +231,14 @@ class PublishesAfter(Protocol):
                 storage.  Otherwise as :meth:`Storage.put`.
         """
         ...
+
+
+@functools.cache
+def publishes_after(cls: type) -> bool:
+    """Whether a storage of class ``cls`` offers :class:`PublishesAfter`, decided once
+    per class: on Python 3.11 an ``isinstance`` against a runtime Protocol lists the
+    protocol's members again on every call (20-40 µs on each small save, issue 19)."""
+    return issubclass(cls, PublishesAfter)
 
 
 class RangeReader(Protocol):

@@ -7,11 +7,13 @@ import json
 import math
 import struct
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from ckrun import Checkpointer
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint import shard_reader as reader
 from ckrun.checkpoint.manifest import UnsupportedFormat
@@ -208,3 +210,26 @@ def test_parallel_read_path(tmp_path: Any) -> None:
     os.truncate(path, size - 1000)
     with pytest.raises(CorruptCheckpoint, match="truncated"), st.open_read("s.ckpt") as f:
         reader.read_shard(f, size_bytes=size, checksum=crc, key="s.ckpt")
+
+
+def test_a_lazy_save_of_an_inference_tensor_in_a_list(tmp_path: Path) -> None:
+    """A tensor made under inference_mode, reached through a list (not detached by
+    capture) and owned by an optimizer: the snapshot still detaches it (its own version
+    counter is not readable), so a lazy async save works."""
+    with torch.inference_mode():
+        frozen = torch.randn(4, 4)
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w, frozen], lr=0.1)
+    state = {"tensors": [w, frozen], "opt": opt}
+
+    def step() -> None:
+        (frozen.sum() * w).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    with Checkpointer(str(tmp_path), rng=False, lock=False) as ck:
+        ck.async_save(1, state, lazy=True)
+        step()
+        ck.wait()
+        assert ck.latest() is not None and ck.latest().step == 1

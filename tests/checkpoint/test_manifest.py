@@ -146,3 +146,34 @@ def test_utc_now_is_iso_8601_utc_with_microseconds() -> None:
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", stamp), stamp
     parsed = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
     assert before.replace(microsecond=0) <= parsed <= after
+
+
+@pytest.mark.parametrize(
+    "ns",
+    [
+        0,
+        86_399_999_999_000,  # the last microsecond of a day, then the next day's first
+        86_400_000_000_000,
+        951_782_400_000_001_000,  # 2000-02-29, a leap day
+        1_764_921_242_123_456_789,  # nanoseconds below a microsecond are cut, not rounded
+        4_102_444_799_999_999_000,  # 2099-12-31T23:59:59.999999
+    ],
+)
+def test_utc_now_formats_each_instant_as_datetime_does(
+    ns: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``utc_now`` keeps the date of the day it last formatted and builds the time of
+    day by arithmetic: the same text as ``datetime`` at day boundaries and leap days,
+    including after an earlier stamp of another day."""
+    import time
+    from datetime import datetime, timedelta, timezone
+
+    from ckrun.checkpoint import manifest
+
+    want = datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(microseconds=ns // 1000)
+    for earlier in (ns - 86_400 * 10**9, ns):  # another day's date kept first, then its own
+        first = max(earlier, 0)
+        monkeypatch.setattr(time, "time_ns", lambda v=first: v)
+        manifest.utc_now()
+        monkeypatch.setattr(time, "time_ns", lambda: ns)
+        assert manifest.utc_now() == want.strftime("%Y-%m-%dT%H:%M:%S.%fZ")

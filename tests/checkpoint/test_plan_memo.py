@@ -141,26 +141,3 @@ def test_the_assembled_header_is_the_json_of_the_whole_header(obj: dict[str, Any
     head, tab, data_bytes = st_format.build_header(p.tree, p.tensors, p.names)
     assert head == _reference_header(p.tree, p.tensors, p.names)
     assert (tab, data_bytes) == st_format.table(p.tensors)
-
-
-def test_a_lazy_save_of_an_inference_tensor_in_a_list(tmp_path: Path) -> None:
-    """A tensor made under inference_mode, reached through a list (not detached by
-    capture) and owned by an optimizer: the snapshot still detaches it (its own version
-    counter is not readable), so a lazy async save works."""
-    with torch.inference_mode():
-        frozen = torch.randn(4, 4)
-    w = torch.zeros(4, requires_grad=True)
-    opt = torch.optim.SGD([w, frozen], lr=0.1)
-    state = {"tensors": [w, frozen], "opt": opt}
-
-    def step() -> None:
-        (frozen.sum() * w).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()
-    with Checkpointer(str(tmp_path), rng=False, lock=False) as ck:
-        ck.async_save(1, state, lazy=True)
-        step()
-        ck.wait()
-        assert ck.latest() is not None and ck.latest().step == 1

@@ -1,0 +1,142 @@
+"""The order of a synchronous save's work (issue 19, small states saved every few
+steps): what the written shard does not depend on runs while the disk writes it back,
+retention's thread is woken only when nothing of the save is left, and an absent
+completion marker costs one ``head``.  Real saves on the local disk; each test records
+the calls themselves, never a timing (the figures are in bench/README.md, "Eleventh
+session")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ckrun
+import pytest
+import torch
+from ckrun.checkpoint import facade_save, pipeline, sharding
+from ckrun.checkpoint.checkpointer import Checkpointer
+from ckrun.checkpoint.manifest import Manifest
+from ckrun.storage.local import LocalStorage
+
+
+def _state() -> dict[str, Any]:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {"model": model, "optimizer": opt, "extra": {"w": torch.randn(1000)}}
+
+
+def _record(monkeypatch: pytest.MonkeyPatch, calls: list[str], owner: Any, name: str) -> None:
+    real = getattr(owner, name)
+
+    def recorded(*a: Any, **kw: Any) -> Any:
+        out = real(*a, **kw)
+        calls.append(name)
+        return out
+
+    monkeypatch.setattr(owner, name, recorded)
+
+
+def test_the_compat_block_is_built_after_the_shard_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compat block and the model signature do not go into the shard: a one-rank
+    save builds them after the shard's write-back has started, and the manifest still
+    records them (the state cannot change before the save returns)."""
+    calls: list[str] = []
+    _record(monkeypatch, calls, sharding, "write_object")
+    _record(monkeypatch, calls, Checkpointer, "compat_block")
+    state = _state()
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+        m = ck.save(1, state)
+    assert calls == ["write_object", "compat_block"]
+    assert m.compat["optimizer"] == "SGD"
+    assert m.signature is not None and set(m.signature["modules"]["model"]) == {"weight", "bias"}
+    loaded = Manifest.loads(LocalStorage(str(tmp_path)).get(m.key), key=m.key)
+    assert loaded.compat == m.compat and loaded.signature == m.signature
+
+
+def test_a_compat_block_that_fails_after_the_shard_leaves_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built later, a compat block that raises still fails the save before its commit:
+    no manifest, the error reaches the caller, and the next save commits."""
+    state = _state()
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+
+        def broken(self: Any, state: Any = None) -> dict[str, Any]:
+            raise RuntimeError("compat failed")
+
+        with monkeypatch.context() as mp:
+            mp.setattr(Checkpointer, "compat_block", broken)
+            with pytest.raises(RuntimeError, match="compat failed"):
+                ck.save(1, state)
+        assert ck.latest() is None
+        assert ck.save(2, state).step == 2
+
+
+def test_retention_starts_after_the_save_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waking the retention thread is the save's last step: after its report and the
+    preemption bookkeeping, so the woken thread does not delay the save's return.  It
+    still runs, once per committed save (keep_last=2 leaves two of four)."""
+    calls: list[str] = []
+    _record(monkeypatch, calls, facade_save, "report_save")
+    _record(monkeypatch, calls, facade_save, "record_notice_save")
+    _record(monkeypatch, calls, pipeline, "retain_later")
+    state = _state()
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False, keep_last=2) as ck:
+        for step in range(1, 5):
+            ck.save(step, state)
+        ck.save(4, state)  # already committed by this process: nothing to retain
+    assert calls == ["report_save", "record_notice_save", "retain_later"] * 4 + [
+        "report_save",
+        "record_notice_save",
+    ]
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == ["step-0000000003", "step-0000000004"], steps
+
+
+def test_retention_runs_even_when_the_report_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A report that raises after the commit does not leave the committed save without
+    its retention pass."""
+    state = _state()
+
+    def failing_report(*a: Any, **kw: Any) -> None:
+        raise OSError("events log unwritable")
+
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False, keep_last=1) as ck:
+        ck.save(1, state)
+        monkeypatch.setattr(facade_save, "report_save", failing_report)
+        with pytest.raises(OSError, match="unwritable"):
+            ck.save(2, state)
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == ["step-0000000002"], steps
+
+
+def test_an_absent_completion_marker_is_one_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before each save the completion marker is looked up: absent, that is a ``head``,
+    not a ``get`` that fails and is mapped to ``ObjectNotFound``; present, it is read
+    and the save refused."""
+    gets: list[str] = []
+    real_get = LocalStorage.get
+
+    def get(self: LocalStorage, key: str) -> bytes:
+        gets.append(key)
+        return real_get(self, key)
+
+    monkeypatch.setattr(LocalStorage, "get", get)
+    state = _state()
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state)
+        assert "COMPLETE.json" not in gets
+        ck.finalize(4, state)
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+        with pytest.raises(ckrun.RunComplete):
+            ck.save(5, state)
+    assert "COMPLETE.json" in gets
