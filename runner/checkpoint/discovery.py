@@ -84,14 +84,8 @@ def completion(storage: Storage) -> tuple[CompletionMarker | None, str | None]:
         ``(marker, None)`` for a valid marker whose artifacts exist with the recorded
         sizes; ``(None, None)`` when there is no marker; ``(None, problem)`` for a marker
         that is present but unparsable or whose artifacts are missing or truncated.
-
-    An absent marker, the answer before every save of a run in progress, is one
-    ``head`` (a ``stat``), not a failed ``get`` raised and mapped to ``ObjectNotFound``
-    (issue 19, small saves); the ``get`` still decides when something is there.
     """
     try:
-        if storage.head(layout.COMPLETE) is None:
-            return None, None
         data = storage.get(layout.COMPLETE)
     except ObjectNotFound:
         return None, None

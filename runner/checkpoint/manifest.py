@@ -58,10 +58,11 @@ def utc_now() -> str:
     global _day
     s, us = divmod(time.time_ns() // 1000, 1_000_000)
     day, t = divmod(s, 86400)
-    if _day[0] != day:
-        _day = (day, time.strftime("%Y-%m-%d", time.gmtime(day * 86400)))
+    d = _day  # read once: another thread may replace it meanwhile (another day's)
+    if d[0] != day:
+        d = _day = (day, time.strftime("%Y-%m-%d", time.gmtime(day * 86400)))
     h, rest = divmod(t, 3600)
-    return f"{_day[1]}T{h:02d}:{rest // 60:02d}:{rest % 60:02d}.{us:06d}Z"
+    return f"{d[1]}T{h:02d}:{rest // 60:02d}:{rest % 60:02d}.{us:06d}Z"
 
 
 @dataclass(frozen=True)

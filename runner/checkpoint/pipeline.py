@@ -239,17 +239,21 @@ def persist(
         w, after = open_single_shard(ctx.storage, key, open_shard, snap.nbytes)
         out = sharding.write_object(w, snap)
         size, checksum = out.size_bytes, out.checksum
-        info = ctx.storage.head(key)
-        if info is None or info.size_bytes != size:
-            raise StorageError(
-                f"{key}: committed shard reads back as {info}, expected "
-                f"{size} bytes; the storage lost the write"
+        try:  # until the commit nothing names the shard: a failure removes it
+            info = ctx.storage.head(key)
+            if info is None or info.size_bytes != size:
+                raise StorageError(
+                    f"{key}: committed shard reads back as {info}, expected "
+                    f"{size} bytes; the storage lost the write"
+                )
+            m = make(
+                (ShardInfo(key, ctx.rank, size, checksum),),
+                layout.manifest_key(step, area),
+                sharding.merge_layout([sharding.layout_part(snap, out)], snap.layout_tensors),
             )
-        m = make(
-            (ShardInfo(key, ctx.rank, size, checksum),),
-            layout.manifest_key(step, area),
-            sharding.merge_layout([sharding.layout_part(snap, out)], snap.layout_tensors),
-        )
+        except BaseException:
+            _drop_unnamed(ctx.storage, key)
+            raise
         mkey = m.key
         m = commit_manifest(ctx.storage, m, ctx.fence, after)  # conditional create, fenced
         ctx.ledger.stale |= m.created_utc != created_utc  # kept another save's: ours orphaned
@@ -261,6 +265,15 @@ def persist(
     except BaseException:
         ctx.ledger.stale = True  # a shard may be left that no manifest names
         raise
+
+
+def _drop_unnamed(storage: Storage, key: str) -> None:
+    """Delete the shard ``key`` that no manifest names (the save failed before its
+    commit, e.g. building the compat block); a storage error leaves it to retention."""
+    try:
+        storage.delete([key])
+    except StorageError as e:
+        log.warning("%s: the uncommitted shard stays for retention (%s)", key, e)
 
 
 def _block(compat: dict[str, Any] | Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -177,3 +177,33 @@ def test_utc_now_formats_each_instant_as_datetime_does(
         manifest.utc_now()
         monkeypatch.setattr(time, "time_ns", lambda: ns)
         assert manifest.utc_now() == want.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def test_utc_now_keeps_its_own_day_when_another_thread_changes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two threads stamping either side of midnight: one replaces the kept date between
+    the other's check of it and its use.  Simulated deterministically (white-box): the
+    time-of-day arithmetic after the check stamps an instant of the day before, as the
+    other thread would in between; each stamp keeps the date of its own instant."""
+    import builtins
+    import time
+
+    from ckrun.checkpoint import manifest
+
+    day = 20_000 * 86_400 * 10**9  # midnight of 2024-10-04 UTC, in ns
+    monkeypatch.setattr(time, "time_ns", lambda: day)
+    assert manifest.utc_now() == "2024-10-04T00:00:00.000000Z"  # the date kept
+    inner: list[str] = []
+
+    def divmod_(a: int, b: int) -> tuple[int, int]:
+        if b == 3600 and not inner:  # after the date check: the other thread stamps
+            inner.append("")
+            monkeypatch.setattr(time, "time_ns", lambda: day - 1000)
+            inner[0] = manifest.utc_now()
+            monkeypatch.setattr(time, "time_ns", lambda: day)
+        return builtins.divmod(a, b)
+
+    monkeypatch.setattr(manifest, "divmod", divmod_, raising=False)
+    assert manifest.utc_now() == "2024-10-04T00:00:00.000000Z"
+    assert inner == ["2024-10-03T23:59:59.999999Z"]

@@ -1,9 +1,9 @@
 """The order of a synchronous save's work (issue 19, small states saved every few
 steps): what the written shard does not depend on runs while the disk writes it back,
-retention's thread is woken only when nothing of the save is left, and an absent
-completion marker costs one ``head``.  Real saves on the local disk; each test records
-the calls themselves, never a timing (the figures are in bench/README.md, "Eleventh
-session")."""
+and retention's thread is woken only when nothing of the save is left; a failure
+before the commit leaves no shard behind.  Real saves on the local disk; each test
+records the calls themselves, never a timing (the figures are in bench/README.md,
+"Eleventh session")."""
 
 from __future__ import annotations
 
@@ -55,23 +55,41 @@ def test_the_compat_block_is_built_after_the_shard_is_written(
     assert loaded.compat == m.compat and loaded.signature == m.signature
 
 
-def test_a_compat_block_that_fails_after_the_shard_leaves_no_checkpoint(
+def _broken_compat(self: Any, state: Any = None) -> dict[str, Any]:
+    raise RuntimeError("compat failed")
+
+
+def test_a_compat_block_that_fails_after_the_shard_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Built later, a compat block that raises still fails the save before its commit:
-    no manifest, the error reaches the caller, and the next save commits."""
+    the error reaches the caller, no manifest, and the shard already written is removed
+    at once (nothing names it); the next save commits."""
     state = _state()
     with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
-
-        def broken(self: Any, state: Any = None) -> dict[str, Any]:
-            raise RuntimeError("compat failed")
-
         with monkeypatch.context() as mp:
-            mp.setattr(Checkpointer, "compat_block", broken)
+            mp.setattr(Checkpointer, "compat_block", _broken_compat)
             with pytest.raises(RuntimeError, match="compat failed"):
                 ck.save(1, state)
         assert ck.latest() is None
+        assert [p for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()] == []
         assert ck.save(2, state).step == 2
+
+
+def test_a_finalize_retried_after_a_failure_before_its_commit_has_one_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final artifact has no retention behind it: a finalize that failed before its
+    commit and is then retried leaves exactly the retry's shard in ``final/``."""
+    state = _state()
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+        with monkeypatch.context() as mp:
+            mp.setattr(Checkpointer, "compat_block", _broken_compat)
+            with pytest.raises(RuntimeError, match="compat failed"):
+                ck.finalize(1, state)
+        m = ck.finalize(1, state)
+    files = sorted(p.name for p in (tmp_path / "final").rglob("*") if p.is_file())
+    assert files == sorted([m.shards[0].key.rsplit("/", 1)[1], "manifest.json"]), files
 
 
 def test_retention_starts_after_the_save_is_reported(
@@ -114,29 +132,3 @@ def test_retention_runs_even_when_the_report_fails(
             ck.save(2, state)
     steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert steps == ["step-0000000002"], steps
-
-
-def test_an_absent_completion_marker_is_one_head(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Before each save the completion marker is looked up: absent, that is a ``head``,
-    not a ``get`` that fails and is mapped to ``ObjectNotFound``; present, it is read
-    and the save refused."""
-    gets: list[str] = []
-    real_get = LocalStorage.get
-
-    def get(self: LocalStorage, key: str) -> bytes:
-        gets.append(key)
-        return real_get(self, key)
-
-    monkeypatch.setattr(LocalStorage, "get", get)
-    state = _state()
-    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
-        for step in (1, 2, 3):
-            ck.save(step, state)
-        assert "COMPLETE.json" not in gets
-        ck.finalize(4, state)
-    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
-        with pytest.raises(ckrun.RunComplete):
-            ck.save(5, state)
-    assert "COMPLETE.json" in gets
