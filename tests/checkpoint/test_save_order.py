@@ -55,8 +55,16 @@ def test_the_compat_block_is_built_after_the_shard_is_written(
     assert loaded.compat == m.compat and loaded.signature == m.signature
 
 
-def _broken_compat(self: Any, state: Any = None) -> dict[str, Any]:
-    raise RuntimeError("compat failed")
+def _fails_in_compat(call: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``call()`` (a save or finalize) with a compat block that raises: it raises."""
+
+    def broken(self: Any, state: Any = None) -> dict[str, Any]:
+        raise RuntimeError("compat failed")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Checkpointer, "compat_block", broken)
+        with pytest.raises(RuntimeError, match="compat failed"):
+            call()
 
 
 def test_a_compat_block_that_fails_after_the_shard_leaves_nothing(
@@ -67,10 +75,7 @@ def test_a_compat_block_that_fails_after_the_shard_leaves_nothing(
     at once (nothing names it); the next save commits."""
     state = _state()
     with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
-        with monkeypatch.context() as mp:
-            mp.setattr(Checkpointer, "compat_block", _broken_compat)
-            with pytest.raises(RuntimeError, match="compat failed"):
-                ck.save(1, state)
+        _fails_in_compat(lambda: ck.save(1, state), monkeypatch)
         assert ck.latest() is None
         assert [p for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()] == []
         assert ck.save(2, state).step == 2
@@ -83,10 +88,7 @@ def test_a_finalize_retried_after_a_failure_before_its_commit_has_one_shard(
     commit and is then retried leaves exactly the retry's shard in ``final/``."""
     state = _state()
     with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
-        with monkeypatch.context() as mp:
-            mp.setattr(Checkpointer, "compat_block", _broken_compat)
-            with pytest.raises(RuntimeError, match="compat failed"):
-                ck.finalize(1, state)
+        _fails_in_compat(lambda: ck.finalize(1, state), monkeypatch)
         m = ck.finalize(1, state)
     files = sorted(p.name for p in (tmp_path / "final").rglob("*") if p.is_file())
     assert files == sorted([m.shards[0].key.rsplit("/", 1)[1], "manifest.json"]), files
