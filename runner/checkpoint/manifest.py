@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckrun.checkpoint import layout
+from ckrun.checkpoint.json_text import encode_spliced
 from ckrun.enums import StrEnum
 from ckrun.errors import CorruptCheckpoint, InvalidKey
 from ckrun.storage.base import validate_key
@@ -184,10 +185,8 @@ class Manifest:
         (measured 0.95 vs 0.31 ms for a 1 MB state's manifest, 73 vs 18 ms for a 50-layer
         model's; it is on every save's critical path, issue 19).  ``python -m json.tool``
         pretty-prints one."""
-        try:
-            text = json.dumps(
-                self.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False
-            )
+        try:  # the layout's kept global tensors written from their kept text
+            text = encode_spliced(self.to_json(), "tensor_layout", "tensors")
         except ValueError as e:
             raise ValueError(f"manifest of step {self.step} is not strict JSON: {e}") from e
         return text.encode()

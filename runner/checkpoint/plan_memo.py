@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint import sharding, st_format
+from ckrun.checkpoint.json_text import Rendered
 
 
 def _meta(t: fmt.HostArray) -> tuple[Any, ...]:
@@ -69,7 +70,8 @@ class PlanMemo:
             prepared = st_format.prepare(p.tensors, p.names)
         except ValueError:
             return p  # duplicate entry names: write() refuses them, as without the memo
-        lay = sharding.layout_tensors([{"pieces": p.pieces, "globals": p.globals}])
+        # kept with its JSON text: every manifest of this structure writes the same
+        lay = Rendered(sharding.layout_tensors([{"pieces": p.pieces, "globals": p.globals}]))
         self._memo = (key, st, {"prepared": prepared, "layout_tensors": lay})
         p.prepared, p.layout_tensors = prepared, lay
         return p
