@@ -31,9 +31,11 @@ _SLOT_TEXT = ENCODE(_SLOT)
 
 class Rendered(dict[str, Any]):
     """A JSON object and its text (:data:`ENCODE`), rendered when it is made.  It must
-    not change afterwards: nothing in ckrun writes to a layout once it is built, and
-    ``tests/checkpoint/test_json_text.py`` checks that each save's manifest is the text
-    of the whole.  A copy (``copy``, ``pickle``) is a plain dict.
+    not change afterwards (nor the values inside it): nothing in ckrun writes to a
+    layout once it is built (it is shared by every manifest of one structure, each a
+    frozen dataclass), and ``tests/checkpoint/test_json_text.py`` checks that each
+    save's manifest is the text of the whole.  A copy (``copy``, ``pickle``) is a plain
+    dict.
 
     Raises:
         ValueError: ``value`` holds a NaN or infinite float.

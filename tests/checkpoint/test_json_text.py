@@ -55,6 +55,15 @@ def test_each_manifest_is_the_text_of_the_whole(tmp_path: Path, rng: bool) -> No
             assert m.dumps() == _whole(m)
             assert (tmp_path / m.key).read_bytes() == _whole(m)
         assert ck._ctx.plans.hits == 3
+    # and the kept text is what dumps writes (a fallback to encoding the whole, or
+    # another key path, would not show this altered, still valid, text)
+    kept = m.tensor_layout["tensors"]
+    real = kept.text
+    kept.text = '{"altered":true}'
+    try:
+        assert b'"tensors":{"altered":true}' in m.dumps()
+    finally:
+        kept.text = real
 
 
 def test_the_kept_text_is_what_is_written() -> None:
