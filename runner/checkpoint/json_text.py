@@ -59,10 +59,9 @@ def encode_spliced(body: Mapping[str, Any], outer: str, inner: str) -> str:
         ValueError: ``body`` holds a NaN or infinite float.
     """
     parent = body.get(outer)
-    value = parent.get(inner) if isinstance(parent, Mapping) else None
-    if not isinstance(value, Rendered):
+    if not isinstance(parent, Mapping) or not isinstance(parent.get(inner), Rendered):
         return ENCODE(body)
-    assert isinstance(parent, Mapping)
+    value: Rendered = parent[inner]
     text = ENCODE({**body, outer: {**parent, inner: _SLOT}})
     head, found, tail = text.partition(_SLOT_TEXT)
     if not found or _SLOT_TEXT in tail:  # the stand-in's text occurs elsewhere too

@@ -212,12 +212,13 @@ def persist(
     try:
         kind = ManifestKind(kind)  # a ManifestKind, or its value
 
-        block = None if callable(compat) and ctx.world_size == 1 else _block(compat)
+        if callable(compat) and ctx.world_size > 1:
+            compat = compat()  # every rank builds it first, as before
 
         def make(shards: tuple[ShardInfo, ...], mkey: str, lay: dict[str, Any] | None) -> Manifest:
-            b = _block(compat) if block is None else block
+            block = compat() if callable(compat) else compat
             return make_manifest(
-                ctx, step, kind, shards, b, metrics, created_utc, started, mkey, lay
+                ctx, step, kind, shards, block, metrics, created_utc, started, mkey, lay
             )
 
         if ctx.world_size > 1:  # collective: every rank's shard, rank 0 commits
@@ -274,10 +275,6 @@ def _drop_unnamed(storage: Storage, key: str) -> None:
         storage.delete([key])
     except StorageError as e:
         log.warning("%s: the uncommitted shard stays for retention (%s)", key, e)
-
-
-def _block(compat: dict[str, Any] | Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    return compat() if callable(compat) else compat
 
 
 def open_single_shard(
