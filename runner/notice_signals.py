@@ -27,8 +27,10 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import tempfile
 import threading
 from types import FrameType
+from typing import BinaryIO
 
 from ckrun.control_files import ESCALATE_FILE, control_dir
 from ckrun.procs import set_parent_death_signal
@@ -115,6 +117,15 @@ def dump_stacks(fd: int = 2) -> None:
     most recent first; at most 100 threads of 100 frames).  Used when the supervisor's
     grace period is over and the process has not exited.
 
+    The text goes out in one ``write(2)``: ``fd`` is shared with the supervisor's own
+    lines and with the other processes of the job, which dump at the same TERM, and
+    ``faulthandler`` writes piece by piece, so written directly a dump came out split by
+    their lines.  One write to a pipe is never interleaved up to ``PIPE_BUF`` (4096
+    bytes, POSIX ``write(2)``); a longer dump can still be split, at most where the
+    kernel splits it.  The dump is first written to an anonymous in-memory file
+    (``memfd_create(2)``; elsewhere, an unnamed temporary file); where none can be
+    made (no descriptor left), it is written straight to ``fd``, piece by piece.
+
     Safe inside a signal handler: no lock is taken and no source file is read (a file
     on the hung mount would hang the dump), and the text goes straight to ``fd``, not
     through ``sys.stderr`` (whose buffer the interrupted code may hold).  It runs where
@@ -122,14 +133,37 @@ def dump_stacks(fd: int = 2) -> None:
     that never checks for signals prints nothing and is ended by the KILL that follows.
     Best effort: an error writing it is ignored.
     """
+    header = (
+        f"ckrun: pid {os.getpid()} did not exit within the supervisor's grace period; "
+        "where its threads were (most recent call first):\n"
+    ).encode()
     try:
-        os.write(fd, (
-            f"ckrun: pid {os.getpid()} did not exit within the supervisor's grace period; "
-            "where its threads were (most recent call first):\n"
-        ).encode())  # fmt: skip
-        faulthandler.dump_traceback(fd, all_threads=True)
+        try:
+            with _scratch_file() as scratch:
+                faulthandler.dump_traceback(scratch, all_threads=True)
+                scratch.seek(0)
+                text = memoryview(header + scratch.read())
+        except OSError:  # no file to collect it in (out of descriptors): piece by piece
+            os.write(fd, header)
+            faulthandler.dump_traceback(fd, all_threads=True)
+            return
+        while text:  # a pipe or a tty may take less than all of it
+            text = text[os.write(fd, text) :]
     except (OSError, ValueError, RuntimeError):
         pass
+
+
+def _scratch_file() -> BinaryIO:
+    """An unnamed file for :func:`dump_stacks` to collect the dump in: in memory where
+    the platform has ``memfd_create(2)`` (Linux), else an unlinked temporary file.
+
+    Raises:
+        OSError: neither can be created.
+    """
+    memfd = getattr(os, "memfd_create", None)
+    if memfd is not None:
+        return open(memfd("ckrun-stacks", os.MFD_CLOEXEC), "w+b", buffering=0)
+    return tempfile.TemporaryFile("w+b", buffering=0)
 
 
 def notice_reached() -> None:

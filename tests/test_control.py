@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,6 +115,34 @@ def test_a_process_past_the_grace_period_says_where_it_hangs(tmp_path: Path) -> 
     assert err.count("did not exit within the supervisor's grace period") == 1, err
     assert f"pid {p.pid} did not exit" in err
     assert f'File "{tmp_path / "stuck.py"}", line 5 in stuck_in_save' in err, err
+
+
+DUMP_TO = r"""
+import os, sys
+from ckrun import control
+fd = int(sys.argv[1])
+control.dump_stacks(fd)
+os.write(fd, b"<end>")
+"""
+
+
+def test_the_stack_dump_is_one_write_no_other_writer_can_split() -> None:
+    # fd 2 is shared with the supervisor's lines and the job's other processes, which all
+    # dump at the same TERM: a SOCK_SEQPACKET socket keeps each write(2) as one record,
+    # so the records received are the writes made (faulthandler alone writes in pieces).
+    # The dump runs in its own process: it holds its GIL while it writes, so a reader in
+    # the same process could not drain the socket's buffer of small records.
+    reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with reader, writer:
+        p = subprocess.Popen([sys.executable, "-c", DUMP_TO, str(writer.fileno())],
+                             pass_fds=(writer.fileno(),))  # fmt: skip
+        reader.settimeout(20)
+        records = list(iter(lambda: reader.recv(1 << 20), b"<end>"))  # b"": a write too
+        assert p.wait(timeout=20) == 0
+    assert len(records) == 1, records
+    text = records[0].decode()
+    assert text.startswith(f"ckrun: pid {p.pid} did not exit within"), text
+    assert "most recent call first" in text and 'File "<string>", line 5' in text, text
 
 
 def test_a_plain_sigterm_writes_no_stacks(tmp_path: Path) -> None:

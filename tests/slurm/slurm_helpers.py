@@ -72,8 +72,32 @@ def wait_for(
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{cluster_state()}")
         time.sleep(every_s)
+
+
+def cluster_state() -> str:
+    """What the cluster was doing, for a failed wait: every job with its state and reason
+    (``squeue``), the node's state and reason (``sinfo -R``) and the last lines of the
+    controller's and node daemon's logs (``slurm/dev-cluster.sh`` writes them)."""
+    parts = []
+    for argv in (
+        ["squeue", "-a", "-o", "%i %T %r %S %e %N %j"],
+        ["sinfo", "-N", "-o", "%N %T %E"],
+    ):
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            parts.append(f"$ {' '.join(argv)}\n{proc.stdout}{proc.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            parts.append(f"$ {' '.join(argv)}: {exc}")
+    logs = Path(os.environ.get("CKRUN_SLURM_DIR", "/var/tmp/ckrun-slurm")) / "log"
+    for name in ("slurmctld.log", "slurmd.log"):
+        try:
+            tail = (logs / name).read_text(errors="replace").splitlines()[-40:]
+            parts.append(f"{logs / name} (last 40 lines):\n" + "\n".join(tail))
+        except OSError as exc:
+            parts.append(f"{logs / name}: {exc}")
+    return "\n".join(parts)
 
 
 def job_record(job_id: str) -> dict[str, str]:
