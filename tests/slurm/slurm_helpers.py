@@ -78,7 +78,7 @@ def wait_for(
 
 def cluster_state() -> str:
     """What the cluster was doing, for a failed wait: every job with its state and reason
-    (``squeue``), the node's state and reason (``sinfo -R``) and the last lines of the
+    (``squeue``), the node's state and reason (``sinfo -N``) and the last lines of the
     controller's and node daemon's logs (``slurm/dev-cluster.sh`` writes them)."""
     parts = []
     for argv in (
