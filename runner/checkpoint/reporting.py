@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from ckrun.checkpoint.manifest import Manifest
+from ckrun.runlog import child_event
 
 __all__ = ["created_at", "report_save", "report_training_start", "run_name_of"]
 
@@ -19,7 +20,6 @@ def report_training_start(m: Manifest | None, seconds: float, rank: int) -> None
     :func:`ckrun.control.mark_training`) after a load of ``seconds``; a no-op outside the
     supervisor."""
     from ckrun.control import mark_training
-    from ckrun.runlog import child_event
 
     if rank == 0:
         child_event("restore", step=m.step if m is not None else None, seconds=seconds)
@@ -29,9 +29,7 @@ def report_training_start(m: Manifest | None, seconds: float, rank: int) -> None
 def report_save(m: Manifest, seconds: float, mode: str, rank: int) -> None:
     """The ``save`` event: the training loop was blocked ``seconds`` for step ``m.step``
     (``mode`` ``sync`` or ``async``)."""
-    if rank == 0:
-        from ckrun.runlog import child_event
-
+    if rank == 0:  # imported once, above: an import statement costs each save (issue 19)
         child_event("save", step=m.step, seconds=seconds, mode=mode, ckpt_kind=m.kind)
 
 

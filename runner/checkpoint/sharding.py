@@ -336,12 +336,12 @@ def write_object(w: ObjectWriter, p: Planned) -> st_format.Written:
     """Write ``p`` as a format-2 shard into ``w`` and commit it; on any error abort ``w``
     (nothing is left under the key) and re-raise."""
     try:
-        out = st_format.write(w, p.tree, p.tensors, p.names, p.prepared)
+        out = st_format.write_unhashed(w, p.tree, p.tensors, p.names, p.prepared)
         w.commit()
     except BaseException:
         w.abort()
         raise
-    return out
+    return out.hash()
 
 
 def layout_part(p: Planned, written: st_format.Written) -> dict[str, Any]:

@@ -216,27 +216,83 @@ def write(
     Raises:
         StorageError: from the writer.
     """
+    return write_unhashed(w, tree, tensors, names, prepared).hash()
+
+
+@dataclass
+class Unhashed:
+    """A shard whose bytes are written and whose host entries are not hashed yet
+    (:func:`write_unhashed`); :meth:`hash` computes the CRC32Cs from the same arrays.
+
+    Attributes:
+        header: the header block (written first).
+        pending: per entry in file order, ``(name, file offset, bytes, the array's
+            bytes or None, the CRC32C when it was computed during the write)``.
+        size_bytes: the file size in bytes.
+    """
+
+    header: bytes
+    pending: list[tuple[str, int, int, memoryview | None, int]]
+    size_bytes: int
+
+    def hash(self) -> Written:
+        """The :class:`Written` of the shard: each entry's CRC32C from its array (the
+        caller keeps the arrays unchanged until then: a synchronous save's state, an
+        async save's host copies), the file's from the header's and the entries'."""
+        hcrc = crc32c.crc32c(self.header)
+        crc = hcrc
+        entries: dict[str, list[Any]] = {}
+        for name, pos, n, buf, ecrc in self.pending:
+            if buf is not None:
+                ecrc = crc32c.crc32c(buf)
+                # each byte hashed once: the file's CRC extends by the entry's
+                crc = crc32c.crc32c(buf, crc) if n < REHASH_BELOW else combine(crc, ecrc, n)
+            elif n:
+                crc = combine(crc, ecrc, n)
+            entries[name] = [pos, pos + n, f"crc32c:{ecrc:08x}"]
+        return Written(
+            self.size_bytes, f"crc32c:{crc:08x}", len(self.header), f"crc32c:{hcrc:08x}", entries
+        )
+
+
+def write_unhashed(
+    w: ObjectWriter,
+    tree: Any,
+    tensors: Sequence[fmt.HostArray],
+    names: Sequence[str],
+    prepared: Prepared | None = None,
+) -> Unhashed:
+    """Stream one shard into ``w`` (not committed) without hashing its host entries:
+    :meth:`Unhashed.hash` does, once the caller has committed ``w`` (issue 19, small
+    states: the CRC32C of a small shard then runs while the disk writes it back, off the
+    time the save waits).  An entry copied from a device is hashed here, from its one
+    host copy.
+
+    Raises:
+        StorageError: from the writer.
+    """
     p = prepared or prepare(tensors, names)
     head, tab = header_block(tree, p), p.table
-    hcrc = crc32c.crc32c(head)
     w.write(head)
-    crc, pos = hcrc, len(head)
-    entries: dict[str, list[Any]] = {}
+    pos = len(head)
+    pending: list[tuple[str, int, int, memoryview | None, int]] = []
     for i in p.order:
         t = tensors[i]
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            t = t.to("cpu")  # one tensor at a time: host memory stays bounded
         n = tab[i]["nbytes"]
+        buf: memoryview | None = None
         ecrc = 0
         if n:
-            buf = fmt.bytes_view(t)
-            ecrc = crc32c.crc32c(buf)
-            # each byte hashed once: the file's CRC extends by the entry's (crc.combine)
-            crc = crc32c.crc32c(buf, crc) if n < REHASH_BELOW else combine(crc, ecrc, n)
-            w.write(buf)
-        entries[names[i]] = [pos, pos + n, f"crc32c:{ecrc:08x}"]
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                # one tensor at a time: host memory stays bounded, so hash its copy now
+                copied = fmt.bytes_view(t.to("cpu"))
+                ecrc = crc32c.crc32c(copied)
+                w.write(copied)
+            else:
+                buf = fmt.bytes_view(t)
+                w.write(buf)
+        pending.append((names[i], pos, n, buf, ecrc))
         pos += n
-    return Written(pos, f"crc32c:{crc:08x}", len(head), f"crc32c:{hcrc:08x}", entries)
+    return Unhashed(head, pending, pos)
 
 
 @dataclass(frozen=True)

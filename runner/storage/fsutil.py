@@ -6,14 +6,15 @@ journal), and directory creation whose new entries are made durable.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import json
 import os
+import queue
 import tempfile
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckrun.errors import map_os_error
@@ -129,22 +130,70 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
 SYNC_THREADS = 4  # fsyncs issued at once by fsync_paths (a shard, its directories)
 
 
-def _sync_pool() -> ThreadPoolExecutor:
-    """The kept fsync threads of this process (a fork gets its own: the parent's
-    threads do not exist in the child)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            pool = ThreadPoolExecutor(
-                SYNC_THREADS, "ckrun-fsync", initializer=priority.normal_policy
-            )  # shared with synchronous saves: never left at a persist's SCHED_IDLE
-            _pool = (os.getpid(), pool)
-        return _pool[1]
+class _Job:
+    """One fsync handed to the crew: its path, a lock held until it is done, and the
+    error it raised (None: durable)."""
+
+    __slots__ = ("done", "error", "path")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.error: BaseException | None = None
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+
+
+class _Crew:
+    """The kept fsync threads of one process: ``SYNC_THREADS`` daemon threads taking
+    :class:`_Job` s from one queue.  A hand-off is a queue put and a lock release, a
+    fraction of a ``ThreadPoolExecutor.submit`` and its ``Future`` (issue 19, small
+    states: three hand-offs per save; bench/README.md, "Thirteenth session").  Daemon
+    threads: a caller always waits for its jobs, so none is left at exit unless the
+    caller was interrupted, and then no name was published after them."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._work, name=f"ckrun-fsync_{i}", daemon=True)
+            for i in range(SYNC_THREADS)
+        ]
+        self._ready = threading.Semaphore(0)
+        for t in self.threads:
+            t.start()
+        for _ in self.threads:  # each has left SCHED_IDLE before its first job
+            self._ready.acquire()
+
+    def _work(self) -> None:
+        # started by whichever thread fsyncs first: a SCHED_IDLE persist's threads would
+        # leave the crew at SCHED_IDLE for good, and synchronous saves wait on it
+        priority.normal_policy()
+        self._ready.release()
+        while True:
+            job = self.queue.get()
+            try:
+                fsync_path(job.path)
+            except BaseException as e:  # handed to the waiting caller, who raises it
+                job.error = e
+            finally:
+                job.done.release()
+
+
+_crew: _Crew | None = None
+_crew_lock = threading.Lock()
+
+
+def _sync_crew() -> _Crew:
+    """The fsync crew of this process (a fork gets its own: the parent's threads do not
+    exist in the child)."""
+    global _crew
+    with _crew_lock:
+        if _crew is None or _crew.pid != os.getpid():
+            _crew = _Crew()
+        return _crew
 
 
 def fsync_paths(paths: Sequence[str], also: int | None = None) -> None:
@@ -157,18 +206,19 @@ def fsync_paths(paths: Sequence[str], also: int | None = None) -> None:
     Raises:
         OSError: the first fsync that failed (every one is waited for first).
     """
-    futs = [_sync_pool().submit(fsync_path, p) for p in paths]
-    err: OSError | None = None
+    crew = _sync_crew()
+    jobs = [_Job(p) for p in paths]
+    for job in jobs:
+        crew.queue.put(job)
+    err: BaseException | None = None
     if also is not None:
         try:
             os.fsync(also)
         except OSError as e:
             err = e
-    for f in futs:
-        try:
-            f.result()
-        except OSError as e:
-            err = err or e
+    for job in jobs:
+        job.done.acquire()
+        err = err or job.error
     if err is not None:
         raise err
 

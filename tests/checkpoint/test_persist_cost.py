@@ -262,26 +262,23 @@ def test_shared_pools_started_by_an_idle_persist_do_not_stay_idle(
     only run on idle cores).  They leave SCHED_IDLE as they start."""
     from ckrun.storage import fsutil
 
-    monkeypatch.setattr(fsutil, "_pool", None)  # a fresh pool, started below
+    monkeypatch.setattr(fsutil, "_crew", None)  # a fresh crew, started below
     f = tmp_path / "f"
     f.write_bytes(b"x")
     out: dict[str, Any] = {}
 
     def persist() -> None:
         out["policy"] = priority.lower(12)
-        fsutil.fsync_paths([str(f), str(tmp_path)])  # starts the shared pool from here
-        pool = fsutil._sync_pool()
-        out["pool"] = {pool.submit(os.sched_getscheduler, 0).result() for _ in range(8)}
+        fsutil.fsync_paths([str(f), str(tmp_path)])  # starts the shared crew from here
+        crew = fsutil._sync_crew()
+        assert crew.threads and all(t.native_id for t in crew.threads)
+        out["crew"] = {os.sched_getscheduler(t.native_id or 0) for t in crew.threads}
 
     t = threading.Thread(target=persist)
     t.start()
     t.join(30)
-    try:
-        assert out["policy"] == "idle"
-        assert out["pool"] == {os.SCHED_OTHER}
-    finally:
-        if fsutil._pool is not None:
-            fsutil._pool[1].shutdown(wait=True)
+    assert out["policy"] == "idle"
+    assert out["crew"] == {os.SCHED_OTHER}
 
 
 def test_small_entries_are_gathered_into_few_writes(

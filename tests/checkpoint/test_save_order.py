@@ -134,3 +134,43 @@ def test_retention_runs_even_when_the_report_fails(
             ck.save(2, state)
     steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert steps == ["step-0000000002"], steps
+
+
+def test_the_entries_are_hashed_after_the_shard_is_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CRC32C of the shard's entries is not needed to write them: a one-rank save
+    writes the bytes, commits the shard (its write-back starts) and only then hashes
+    the same host arrays.  The manifest's checksums are those of the bytes on disk:
+    the whole file's, the header's and each entry's, recomputed here from the file."""
+    import crc32c
+    from ckrun.checkpoint import st_format
+    from ckrun.storage import local_writer
+
+    calls: list[str] = []
+    _record(monkeypatch, calls, local_writer.LocalWriter, "commit")
+    real_crc = crc32c.crc32c
+
+    def crc(data: Any, value: int = 0) -> int:
+        calls.append("crc32c")
+        return int(real_crc(data, value))
+
+    monkeypatch.setattr(st_format.crc32c, "crc32c", crc)
+    state = {"extra": {"w": torch.randn(300_000), "v": torch.randn(7)}}
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+        m = ck.save(1, state)
+    first_commit = calls.index("commit")
+    assert "crc32c" in calls and calls.index("crc32c") > first_commit
+    assert calls[first_commit + 1 :].count("commit") == 1  # then the manifest's
+    data = (tmp_path / m.shards[0].key).read_bytes()
+    assert m.shards[0].checksum == f"crc32c:{real_crc(data):08x}"
+    assert m.tensor_layout is not None
+    shard = m.tensor_layout["shards"][0]
+    assert shard["header_crc"] == f"crc32c:{real_crc(data[: shard['header_bytes']]):08x}"
+    assert len(shard["entries"]) == 2
+    for begin, end, entry_crc in shard["entries"].values():
+        assert entry_crc == f"crc32c:{real_crc(data[begin:end]):08x}"
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+        fresh = {"extra": {"w": torch.zeros(300_000), "v": torch.zeros(7)}}
+        ck.load(fresh)
+    assert torch.equal(fresh["extra"]["w"], state["extra"]["w"])
