@@ -157,7 +157,8 @@ class RankWriter(Protocol):
 
 def _write_own(ck: RankWriter, step: int, snap: sharding.Planned, area: layout.Area) -> _Report:
     key = layout.shard_key(step, ck.rank, ck.attempt, area)
-    out = sharding.write_object(ck.storage.open_write(key), snap)
+    # a hash that fails leaves the committed shard to retention, as another rank's failure
+    out = sharding.write_object(ck.storage.open_write(key), snap).hash()
     return _Report(key, out.size_bytes, out.checksum, None, sharding.layout_part(snap, out))
 
 

@@ -238,9 +238,10 @@ def persist(
         area: layout.Area = "final" if kind == ManifestKind.FINAL else "checkpoints"
         key = layout.shard_key(step, ctx.rank, ctx.attempt, area)
         w, after = open_single_shard(ctx.storage, key, open_shard, snap.nbytes)
-        out = sharding.write_object(w, snap)
-        size, checksum = out.size_bytes, out.checksum
+        pending = sharding.write_object(w, snap)
         try:  # until the commit nothing names the shard: a failure removes it
+            out = pending.hash()
+            size, checksum = out.size_bytes, out.checksum
             info = ctx.storage.head(key)
             if info is None or info.size_bytes != size:
                 raise StorageError(

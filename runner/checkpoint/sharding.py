@@ -332,16 +332,23 @@ def restaged(p: Planned, tensors: list[Any]) -> Planned:
     return dataclasses.replace(p, tensors=tensors)
 
 
-def write_object(w: ObjectWriter, p: Planned) -> st_format.Written:
+def write_object(w: ObjectWriter, p: Planned) -> st_format.Unhashed:
     """Write ``p`` as a format-2 shard into ``w`` and commit it; on any error abort ``w``
-    (nothing is left under the key) and re-raise."""
+    (nothing is left under the key) and re-raise.
+
+    Returns:
+        The committed shard, its entries not hashed yet: the caller calls
+        :meth:`~ckrun.checkpoint.st_format.Unhashed.hash` (the CRC32C then runs while
+        the disk writes the shard back) where a failure of it removes the shard, as any
+        failure before the manifest's commit does.
+    """
     try:
         out = st_format.write_unhashed(w, p.tree, p.tensors, p.names, p.prepared)
         w.commit()
     except BaseException:
         w.abort()
         raise
-    return out.hash()
+    return out
 
 
 def layout_part(p: Planned, written: st_format.Written) -> dict[str, Any]:

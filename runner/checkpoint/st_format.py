@@ -284,7 +284,8 @@ def write_unhashed(
         if n:
             if isinstance(t, torch.Tensor) and t.device.type != "cpu":
                 # one tensor at a time: host memory stays bounded, so hash its copy now
-                copied = fmt.bytes_view(t.to("cpu"))
+                host = t.to("cpu")  # named: the view below does not keep it alive
+                copied = fmt.bytes_view(host)
                 ecrc = crc32c.crc32c(copied)
                 w.write(copied)
             else:

@@ -186,9 +186,19 @@ _crew: _Crew | None = None
 _crew_lock = threading.Lock()
 
 
+def _forget_crew_in_child() -> None:
+    """After ``fork``: the parent's crew threads do not exist here, and ``_crew_lock``
+    may have been copied held (another thread was starting the crew), so both are new."""
+    global _crew, _crew_lock
+    _crew, _crew_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_crew_in_child)
+
+
 def _sync_crew() -> _Crew:
-    """The fsync crew of this process (a fork gets its own: the parent's threads do not
-    exist in the child)."""
+    """The fsync crew of this process, started on first use (a forked child starts its
+    own: :func:`_forget_crew_in_child`)."""
     global _crew
     with _crew_lock:
         if _crew is None or _crew.pid != os.getpid():

@@ -174,3 +174,88 @@ def test_the_entries_are_hashed_after_the_shard_is_committed(
         fresh = {"extra": {"w": torch.zeros(300_000), "v": torch.zeros(7)}}
         ck.load(fresh)
     assert torch.equal(fresh["extra"]["w"], state["extra"]["w"])
+
+
+def test_a_hash_that_fails_after_the_commit_leaves_no_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hashing runs after the shard's commit and before the manifest's: when it fails
+    (here the CRC32C raises once the shard is committed), the save fails, nothing names
+    the shard, and the shard is removed at once, as any failure before the manifest."""
+    from ckrun.checkpoint import st_format
+    from ckrun.storage import local_writer
+
+    committed: list[str] = []
+    _record(monkeypatch, committed, local_writer.LocalWriter, "commit")
+    real_crc = st_format.crc32c.crc32c
+
+    def crc(data: Any, value: int = 0) -> int:
+        if committed:
+            raise MemoryError("hashing after the commit failed")
+        return int(real_crc(data, value))
+
+    monkeypatch.setattr(st_format.crc32c, "crc32c", crc)
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+        with pytest.raises(MemoryError):
+            ck.save(1, {"extra": {"w": torch.randn(1000)}})
+        assert committed == ["commit"]
+        assert ck.latest() is None
+    left = [p.name for p in tmp_path.rglob("*") if p.is_file() and "shard" in p.name]
+    assert left == []
+
+
+class _OnDevice(torch.Tensor):
+    """A host tensor that says it lives on a CUDA device (this test needs no GPU): its
+    ``to("cpu")`` returns a new host copy, as a device tensor's does, and records it."""
+
+    copies: list[Any] = []
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+    def to(self, *a: Any, **kw: Any) -> torch.Tensor:  # type: ignore[override]
+        import weakref
+
+        with torch._C.DisableTorchFunctionSubclass():
+            host = torch.Tensor.clone(self)
+        _OnDevice.copies.append(weakref.ref(host))
+        return host
+
+
+def test_a_device_entry_is_written_from_a_host_copy_that_is_alive() -> None:
+    """A device tensor's entry is copied to the host one tensor at a time and written
+    and hashed from that copy: the copy stays alive until both are done (a byte view
+    does not keep it alive; a freed copy wrote freed memory or crashed the process)."""
+    import crc32c
+    from ckrun.checkpoint import st_format
+
+    source = torch.arange(16_384, dtype=torch.float32)
+    alive_at_write: list[bool] = []
+
+    class Writer:
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def write(self, b: Any) -> None:
+            alive_at_write.append(all(r() is not None for r in _OnDevice.copies))
+            self.data += bytes(b)
+
+        def commit(self) -> None:
+            pass
+
+        def abort(self) -> None:
+            pass
+
+    _OnDevice.copies.clear()
+    w = Writer()
+    out = st_format.write_unhashed(
+        w,  # type: ignore[arg-type]
+        {"x": 0},
+        [source.as_subclass(_OnDevice)],
+        ["x"],
+    ).hash()
+    assert len(_OnDevice.copies) == 1 and alive_at_write == [True, True]
+    begin, end, entry_crc = out.entries["x"]
+    assert bytes(w.data[begin:end]) == source.numpy().tobytes()
+    assert entry_crc == f"crc32c:{crc32c.crc32c(bytes(w.data[begin:end])):08x}"
