@@ -6,7 +6,6 @@ journal), and directory creation whose new entries are made durable.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import ctypes
 import json
@@ -142,7 +141,7 @@ class _Job:
     def __init__(self, path: str) -> None:
         self.path = path
         self.error: BaseException | None = None
-        self.done = _thread.allocate_lock()
+        self.done = threading.Lock()
         self.done.acquire()
 
 
@@ -155,7 +154,6 @@ class _Crew:
     caller was interrupted, and then no name was published after them."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self.queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self.threads = [
             threading.Thread(target=self._work, name=f"ckrun-fsync_{i}", daemon=True)
@@ -201,7 +199,7 @@ def _sync_crew() -> _Crew:
     own: :func:`_forget_crew_in_child`)."""
     global _crew
     with _crew_lock:
-        if _crew is None or _crew.pid != os.getpid():
+        if _crew is None:
             _crew = _Crew()
         return _crew
 
