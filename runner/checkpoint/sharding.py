@@ -334,21 +334,15 @@ def restaged(p: Planned, tensors: list[Any]) -> Planned:
 
 def write_object(w: ObjectWriter, p: Planned) -> st_format.Unhashed:
     """Write ``p`` as a format-2 shard into ``w`` and commit it; on any error abort ``w``
-    (nothing is left under the key) and re-raise.
-
-    Returns:
-        The committed shard, its entries not hashed yet: the caller calls
-        :meth:`~ckrun.checkpoint.st_format.Unhashed.hash` (the CRC32C then runs while
-        the disk writes the shard back) where a failure of it removes the shard, as any
-        failure before the manifest's commit does.
-    """
+    (nothing is left under the key) and re-raise.  Returns the committed shard unhashed:
+    the caller hashes it (under the write-back) where a failure removes the shard."""
     try:
         out = st_format.write_unhashed(w, p.tree, p.tensors, p.names, p.prepared)
         w.commit()
+        return out
     except BaseException:
         w.abort()
         raise
-    return out
 
 
 def layout_part(p: Planned, written: st_format.Written) -> dict[str, Any]:
@@ -365,14 +359,12 @@ def layout_part(p: Planned, written: st_format.Written) -> dict[str, Any]:
 def merge_layout(
     parts: list[dict[str, Any]], tensors: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The manifest's ``layout`` from every rank's :func:`layout_part`, by rank.
+    """The manifest's ``layout`` from every rank's :func:`layout_part`, by rank; raises
+    :class:`~ckrun.errors.CheckpointError` as :func:`layout_tensors`.
 
     Args:
         tensors: :func:`layout_tensors` of these parts, kept from a save of the same
             structure (:class:`Planned`'s ``layout_tensors``).
-
-    Raises:
-        CheckpointError: as :func:`layout_tensors`.
     """
     shards = [{k: part[k] for k in ("header_bytes", "header_crc", "entries")} for part in parts]
     if tensors is None:
