@@ -7,18 +7,16 @@ whose current tensor exists with the same shape and dtype in contiguous CPU memo
 parameters and buffers, optimizer state already initialised, plain tensors of the state)
 is read straight into that tensor's memory: each saved piece is one ranged read
 (``Storage.read_into``: ``preadv`` locally, a ``Range`` GET on S3) into the byte range
-of the destination it covers, and the piece's CRC32C (recorded in the manifest) is
-computed right after its bytes arrive, while they are still in cache.  A storage that
-reads in order (:class:`ckrun.storage.base.ReadsInOrder`: local disks) reads each shard
-front to back through one handle, the kernel's readahead keeping the disk busy while a
-piece is checked; otherwise (S3) :data:`READ_DEPTH` ranged reads are in flight, in file
-order.  A tensor with no such destination (the optimizer
-state before its first step, a dtype or shape change the compat gate allowed, a
-non-contiguous view, tensors sharing memory) is read into a fresh tensor as before; a
-DTensor target keeps the resharding path of :mod:`ckrun.checkpoint.reshard`.  Optimizer
-state is matched by parameter name, as :func:`ckrun.checkpoint.signature.remap_optimizer`
-re-keys it, so the state of parameter ``model.blocks.3.w`` lands in that parameter's own
-``exp_avg`` even when the parameters were reordered.
+of the destination it covers, checked against the CRC32C the manifest records
+(:mod:`ckrun.checkpoint.piece_read`: a local shard front to back, each big piece checked
+beside the next read; S3 :data:`READ_DEPTH` reads in flight).  A tensor with no such
+destination (the optimizer state before its first step, a dtype or shape change the
+compat gate allowed, a non-contiguous view, tensors sharing memory) is read into a fresh
+tensor as before; a DTensor target keeps the resharding path of
+:mod:`ckrun.checkpoint.reshard`.  Optimizer state is matched by parameter name, as
+:func:`ckrun.checkpoint.signature.remap_optimizer` re-keys it, so the state of parameter
+``model.blocks.3.w`` lands in that parameter's own ``exp_avg`` even when the parameters
+were reordered.
 
 The bytes of a fresh tensor are verified before the state sees them; those read in place
 are not (that is the point: no second copy).  So an in-place load is a transaction over
@@ -31,22 +29,20 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, MutableMapping
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import torch
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.inplace_txn import Transaction
 from ckrun.checkpoint.manifest import Manifest
+from ckrun.checkpoint.piece_read import READ_DEPTH, Piece, read_pieces
 from ckrun.checkpoint.pipeline import CommitContext
 from ckrun.checkpoint.reshard import target_for
 from ckrun.checkpoint.sharding import dtensor_type, tensor_paths
 from ckrun.checkpoint.state import capture, tensors_of
 from ckrun.checkpoint.verify import shard_present
-from ckrun.errors import CorruptCheckpoint, ObjectNotFound
-from ckrun.storage.base import RangeReader, ReadsInOrder, Storage
+from ckrun.errors import CorruptCheckpoint
+from ckrun.storage.base import Storage
 
 __all__ = [
     "READ_DEPTH",
@@ -58,8 +54,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-READ_DEPTH = 4  # ranged reads in flight where the storage is not ReadsInOrder (S3)
 
 
 # -- destinations --------------------------------------------------------------------
@@ -155,20 +149,6 @@ def _saved_name(name: str, maps: Mapping[str, Any]) -> str | None:
 # -- reading ---------------------------------------------------------------------------
 
 
-@dataclass
-class _Job:
-    key: str
-    begin: int
-    buf: memoryview
-    crc: str
-    what: str
-    name: str
-    dest: torch.Tensor
-    inplace: bool
-    copy_to: torch.Tensor | None = None  # a non-row piece: read here, then copy into dest
-    piece: torch.Tensor | None = None
-
-
 def read_globals(
     storage: Storage,
     m: Manifest,
@@ -198,7 +178,7 @@ def read_globals(
     assert lay is not None
     keys = {s.rank: s for s in m.shards}
     out: dict[str, torch.Tensor] = {}
-    jobs: list[_Job] = []
+    jobs: list[Piece] = []
     for name, spec in lay["tensors"].items():
         if skip(name):
             continue
@@ -216,35 +196,11 @@ def read_globals(
         shard_present(storage, keys[rank], m.step)
     jobs.sort(key=lambda j: (j.key, j.begin))
 
-    def run(j: _Job, reader: RangeReader | None = None) -> None:
-        if j.inplace and j.dest.data_ptr() not in written:
-            written[j.dest.data_ptr()] = (j.name, j.dest)
-        _read(storage, m, j, reader)
+    def mark(p: Piece) -> None:
+        if p.inplace and p.dest.data_ptr() not in written:
+            written[p.dest.data_ptr()] = (p.name, p.dest)
 
-    rest = jobs
-    if isinstance(storage, ReadsInOrder):  # a local disk: each shard front to back
-        rest = []
-        for key in sorted({j.key for j in jobs}):
-            mine = [j for j in jobs if j.key == key]
-            reader = _open_ranges(storage, m, key)
-            if reader is None:  # declined for this key (a remote tier): ranged reads
-                rest += mine
-                continue
-            with reader:
-                for j in mine:
-                    run(j, reader)
-    if len(rest) <= 1:
-        for j in rest:
-            run(j)
-        return out
-    with ThreadPoolExecutor(READ_DEPTH) as pool:
-        futs: list[Future[None]] = [pool.submit(run, j) for j in rest]
-        done, _ = wait(futs, return_when=FIRST_EXCEPTION)
-        for f in futs:
-            f.cancel()  # not started yet: never started (running ones finish)
-        for f in futs:
-            if f.done() and not f.cancelled() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+    read_pieces(storage, m, jobs, mark)
     return out
 
 
@@ -256,7 +212,7 @@ def _jobs(
     dest: torch.Tensor,
     inplace: bool,
     lay: Mapping[str, Any],
-) -> list[_Job]:
+) -> list[Piece]:
     shape = list(spec["shape"])
     flat = fmt.bytes_view(dest) if dest.numel() else memoryview(b"")
     row = (math.prod(shape[1:]) if shape else 1) * dest.element_size()
@@ -278,12 +234,12 @@ def _jobs(
             lo = (po[0] if shape else 0) * row
             if lo + n > len(flat):
                 raise CorruptCheckpoint(f"{key}: piece {entry} outside {name}", key=key)
-            jobs.append(_Job(key, b, flat[lo : lo + n], crc, entry, name, dest, inplace))
+            jobs.append(Piece(key, b, flat[lo : lo + n], crc, entry, name, dest, inplace))
         else:  # a box of other dimensions: read whole, verify, then copy into place
             piece = torch.empty(pl, dtype=dest.dtype)
             box = dest[tuple(slice(o, o + k) for o, k in zip(po, pl, strict=True))]
             jobs.append(
-                _Job(key, b, fmt.bytes_view(piece), crc, entry, name, dest, inplace, box, piece)
+                Piece(key, b, fmt.bytes_view(piece), crc, entry, name, dest, inplace, box, piece)
             )
     if covered != math.prod(shape):
         raise CorruptCheckpoint(
@@ -293,37 +249,6 @@ def _jobs(
             step=m.step,
         )
     return jobs
-
-
-def _open_ranges(storage: ReadsInOrder, m: Manifest, key: str) -> RangeReader | None:
-    try:
-        return storage.open_ranges(key)
-    except ObjectNotFound as e:
-        raise CorruptCheckpoint(f"{key}: missing ({e})", key=key, step=m.step) from e
-
-
-def _read(storage: Storage, m: Manifest, j: _Job, reader: RangeReader | None = None) -> None:
-    """One verified ranged read (through ``reader`` when given): the bytes land, then
-    their CRC32C (still in cache)."""
-    if len(j.buf):
-        try:
-            if reader is not None:
-                reader.read_into(j.begin, j.buf)
-            else:
-                storage.read_into(j.key, j.begin, j.buf)
-        except ObjectNotFound as e:
-            raise CorruptCheckpoint(f"{j.key}: missing ({e})", key=j.key, step=m.step) from e
-    got = f"crc32c:{crc32c.crc32c(j.buf):08x}" if len(j.buf) else "crc32c:00000000"
-    if got != j.crc:
-        raise CorruptCheckpoint(
-            f"{j.key}: checksum mismatch in {j.what} (CRC32C mismatch: manifest {j.crc}, "
-            f"read {got})",
-            key=j.key,
-            step=m.step,
-        )
-    if j.copy_to is not None and j.piece is not None:
-        with torch.no_grad():
-            j.copy_to.copy_(j.piece)
 
 
 def bulk_reader(

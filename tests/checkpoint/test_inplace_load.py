@@ -6,13 +6,25 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import ckrun
 import pytest
 import torch
+from ckrun.checkpoint import piece_read
 from ckrun.errors import IncompatibleCheckpoint, StateUnusable
+
+
+@pytest.fixture(params=["inline", "beside the next read"])
+def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where a piece's CRC32C is checked: these states' pieces (16 KB) are under
+    OVERLAP_BYTES and checked inline; at 1 byte every piece is checked on the checker
+    thread beside the next read, as a big model's are."""
+    if request.param != "inline":
+        monkeypatch.setattr(piece_read, "OVERLAP_BYTES", 1)
+    return str(request.param)
 
 
 def _state(seed: int, *, step: bool = True, reverse: bool = False) -> dict[str, Any]:
@@ -79,7 +91,7 @@ def _flip(path: Path, offset: int) -> None:
         os.fsync(f.fileno())
 
 
-def test_load_is_in_place_and_bitwise_equal(run_dir: Path) -> None:
+def test_load_is_in_place_and_bitwise_equal(run_dir: Path, checks: str) -> None:
     saved = _state(1)
     with _ck(run_dir) as ck:
         ck.save(1, saved)
@@ -96,7 +108,7 @@ def test_load_is_in_place_and_bitwise_equal(run_dir: Path) -> None:
 
 
 def test_flipped_byte_mid_shard_restores_the_previous_good_checkpoint(
-    run_dir: Path, caplog: pytest.LogCaptureFixture
+    run_dir: Path, caplog: pytest.LogCaptureFixture, checks: str
 ) -> None:
     s = _state(1)
     with _ck(run_dir) as ck:
@@ -124,7 +136,7 @@ def test_flipped_byte_mid_shard_restores_the_previous_good_checkpoint(
     assert _pointers(fresh) == before
 
 
-def test_damaged_only_checkpoint_stops_and_refuses_saves(run_dir: Path) -> None:
+def test_damaged_only_checkpoint_stops_and_refuses_saves(run_dir: Path, checks: str) -> None:
     """Nothing older to restore over a half-written state: the load raises
     StateUnusable (exit 5, the supervisor restarts the process) and no save of that
     state is ever committed."""
@@ -318,4 +330,50 @@ def test_a_storage_declining_ordered_reads_reads_pieces_in_flight(
     with _ck(run_dir) as ck:
         assert ck.load(fresh) is not None
     assert len(ranged) > 22
+    assert _equal(_values(fresh), _values(saved)) and _pointers(fresh) == before
+
+
+def test_a_piece_is_checked_while_the_next_one_is_read(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19: a local shard's big pieces are checked (CRC32C) on a second thread
+    while the next piece is read, not between the reads: the first check waits until
+    a read starts after it began, which a check in series never sees (it waits out its
+    10 s and records False)."""
+    from ckrun.storage.local_read import LocalRanges
+
+    monkeypatch.setenv("CKRUN_PIECE_BYTES", str(3 * 64 * 4))
+    monkeypatch.setattr(piece_read, "OVERLAP_BYTES", 1)
+    saved = _state(1)
+    with _ck(run_dir) as ck:
+        ck.save(1, saved)
+    reads: list[int] = []
+    check_began, read_beside = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+    checkers: set[str] = set()
+    real_read, real_crc = LocalRanges.read_into, piece_read.crc32c.crc32c
+
+    def read_into(self: LocalRanges, offset: int, buf: memoryview) -> None:
+        reads.append(offset)
+        if check_began.is_set():
+            read_beside.set()
+        real_read(self, offset, buf)
+
+    class Crc:
+        @staticmethod
+        def crc32c(data: memoryview) -> int:
+            if not overlapped:
+                check_began.set()
+                overlapped.append(read_beside.wait(10))
+            checkers.add(threading.current_thread().name)
+            return int(real_crc(data))
+
+    monkeypatch.setattr(LocalRanges, "read_into", read_into)
+    monkeypatch.setattr(piece_read, "crc32c", Crc)
+    fresh = _state(2)
+    before = _pointers(fresh)
+    with _ck(run_dir) as ck:
+        assert ck.load(fresh) is not None
+    assert overlapped == [True]
+    assert len(reads) > 22 and all(n.startswith("ckrun-verify") for n in checkers)
     assert _equal(_values(fresh), _values(saved)) and _pointers(fresh) == before
