@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ import crc32c
 import torch
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.crc import combine
+from ckrun.checkpoint.crc_beside import Beside
 from ckrun.errors import CorruptCheckpoint
 from ckrun.storage.base import ObjectWriter
 
@@ -227,13 +229,15 @@ class Unhashed:
     Attributes:
         header: the header block (written first).
         pending: per entry in file order, ``(name, file offset, bytes, the array's
-            bytes or None, the CRC32C when it was computed during the write)``.
+            bytes or None, the CRC32C computed during the write or its future)``.
         size_bytes: the file size in bytes.
+        beside: the thread hashing big entries (:mod:`ckrun.checkpoint.crc_beside`).
     """
 
     header: bytes
-    pending: list[tuple[str, int, int, memoryview | None, int]]
+    pending: list[tuple[str, int, int, memoryview | None, int | Future[int]]]
     size_bytes: int
+    beside: Beside
 
     def hash(self) -> Written:
         """The :class:`Written` of the shard: each entry's CRC32C from its array (the
@@ -242,14 +246,18 @@ class Unhashed:
         hcrc = crc32c.crc32c(self.header)
         crc = hcrc
         entries: dict[str, list[Any]] = {}
-        for name, pos, n, buf, ecrc in self.pending:
-            if buf is not None:
-                ecrc = crc32c.crc32c(buf)
-                # each byte hashed once: the file's CRC extends by the entry's
-                crc = crc32c.crc32c(buf, crc) if n < REHASH_BELOW else combine(crc, ecrc, n)
-            elif n:
-                crc = combine(crc, ecrc, n)
-            entries[name] = [pos, pos + n, f"crc32c:{ecrc:08x}"]
+        try:
+            for name, pos, n, buf, got in self.pending:
+                ecrc = got.result() if isinstance(got, Future) else got
+                if buf is not None and not isinstance(got, Future):
+                    ecrc = crc32c.crc32c(buf)
+                    # each byte hashed once: the file's CRC extends by the entry's
+                    crc = crc32c.crc32c(buf, crc) if n < REHASH_BELOW else combine(crc, ecrc, n)
+                elif n:
+                    crc = combine(crc, ecrc, n)
+                entries[name] = [pos, pos + n, f"crc32c:{ecrc:08x}"]
+        finally:
+            self.beside.close()
         return Written(
             self.size_bytes, f"crc32c:{crc:08x}", len(self.header), f"crc32c:{hcrc:08x}", entries
         )
@@ -262,38 +270,43 @@ def write_unhashed(
     names: Sequence[str],
     prepared: Prepared | None = None,
 ) -> Unhashed:
-    """Stream one shard into ``w`` (not committed) without hashing its host entries:
-    :meth:`Unhashed.hash` does, once the caller has committed ``w`` (issue 19, small
-    states: the CRC32C of a small shard then runs while the disk writes it back, off the
-    time the save waits).  An entry copied from a device is hashed here, from its one
-    host copy.
+    """Stream one shard into ``w`` (not committed); :meth:`Unhashed.hash` hashes its
+    host entries once the caller has committed ``w`` (issue 19, small states: the CRC32C
+    then runs while the disk writes the shard back), a big one beside its own write
+    (:mod:`ckrun.checkpoint.crc_beside`), a device entry here from its one host copy.
 
     Raises:
         StorageError: from the writer.
     """
     p = prepared or prepare(tensors, names)
     head, tab = header_block(tree, p), p.table
-    w.write(head)
-    pos = len(head)
-    pending: list[tuple[str, int, int, memoryview | None, int]] = []
-    for i in p.order:
-        t = tensors[i]
-        n = tab[i]["nbytes"]
-        buf: memoryview | None = None
-        ecrc = 0
-        if n:
-            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-                # one tensor at a time: host memory stays bounded, so hash its copy now
-                host = t.to("cpu")  # named: the view below does not keep it alive
-                copied = fmt.bytes_view(host)
-                ecrc = crc32c.crc32c(copied)
-                w.write(copied)
-            else:
-                buf = fmt.bytes_view(t)
-                w.write(buf)
-        pending.append((names[i], pos, n, buf, ecrc))
-        pos += n
-    return Unhashed(head, pending, pos)
+    beside = Beside()
+    try:
+        w.write(head)
+        pos = len(head)
+        pending: list[tuple[str, int, int, memoryview | None, int | Future[int]]] = []
+        for i in p.order:
+            t = tensors[i]
+            n = tab[i]["nbytes"]
+            buf: memoryview | None = None
+            ecrc: int | Future[int] = 0
+            if n:
+                if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                    # one tensor at a time: host memory stays bounded: hash its copy now
+                    host = t.to("cpu")  # named: the view below does not keep it alive
+                    copied = fmt.bytes_view(host)
+                    ecrc = crc32c.crc32c(copied)
+                    w.write(copied)
+                else:
+                    buf = fmt.bytes_view(t)
+                    ecrc = beside.start(buf) or 0  # a big entry: hashed while written
+                    w.write(buf)
+            pending.append((names[i], pos, n, buf, ecrc))
+            pos += n
+    except BaseException:
+        beside.close()
+        raise
+    return Unhashed(head, pending, pos, beside)
 
 
 @dataclass(frozen=True)

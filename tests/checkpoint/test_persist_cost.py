@@ -19,7 +19,7 @@ import crc32c
 import pytest
 import torch
 from ckpt_helpers import make_state, params_equal
-from ckrun.checkpoint import pipeline, sharding, st_format
+from ckrun.checkpoint import crc_beside, pipeline, sharding, st_format
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint.host_buffers import HostBuffers
 from ckrun.errors import ConfigError
@@ -52,14 +52,17 @@ def test_arena_is_huge_page_aligned_and_advised() -> None:
 def test_each_shard_byte_is_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hashed = [0]
     real = crc32c.crc32c
+    counting = threading.Lock()  # a big entry is hashed on crc_beside's thread
 
     class Counting:
         @staticmethod
         def crc32c(buf: Any, value: int = 0) -> int:
-            hashed[0] += memoryview(buf).nbytes
+            with counting:
+                hashed[0] += memoryview(buf).nbytes
             return real(buf, value)
 
     monkeypatch.setattr(st_format, "crc32c", Counting)
+    monkeypatch.setattr(crc_beside, "crc32c", Counting)
     big = torch.randn(1 << 20)  # 4 MiB: hashed once, combined into the file's CRC
     tree = {"big": big, "odd": torch.randn(300_001), "small": torch.arange(7), "n": 3}
     snap = fmt.snapshot(tree)

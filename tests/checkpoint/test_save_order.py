@@ -7,6 +7,7 @@ records the calls themselves, never a timing (the figures are in bench/README.md
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,53 @@ def test_a_device_entry_is_written_from_a_host_copy_that_is_alive() -> None:
     begin, end, entry_crc = out.entries["x"]
     assert bytes(w.data[begin:end]) == source.numpy().tobytes()
     assert entry_crc == f"crc32c:{crc32c.crc32c(bytes(w.data[begin:end])):08x}"
+
+
+def test_a_big_entry_is_hashed_while_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19: an entry of BESIDE_BYTES or more is hashed on a second thread beside
+    its own write, not after the shard's commit (where it added about a quarter to a
+    write-behind save).  The big entry's write waits until its hash has begun, which a
+    hash after the commit never does (the write waits out its 10 s and records False).
+    The manifest's checksums are still those of the bytes on disk."""
+    import crc32c
+    from ckrun.checkpoint import crc_beside
+    from ckrun.storage import local_writer, probe
+
+    monkeypatch.setenv("CKRUN_WRITER", "writebehind")  # the writer this test watches
+    probe.forget()
+    began = threading.Event()
+    hashers: set[str] = set()
+    waited: list[bool] = []
+    real_crc, real_write = crc32c.crc32c, local_writer.LocalWriter.write
+
+    def crc(data: Any, value: int = 0) -> int:
+        if len(memoryview(data).cast("B")) >= crc_beside.BESIDE_BYTES:
+            hashers.add(threading.current_thread().name)
+            began.set()
+        return int(real_crc(data, value))
+
+    def write(self: local_writer.LocalWriter, data: Any) -> int:
+        if len(memoryview(data).cast("B")) >= crc_beside.BESIDE_BYTES and not waited:
+            waited.append(began.wait(10))
+        return real_write(self, data)
+
+    monkeypatch.setattr(crc32c, "crc32c", crc)
+    monkeypatch.setattr(local_writer.LocalWriter, "write", write)
+    state = {"extra": {"w": torch.randn(crc_beside.BESIDE_BYTES // 2), "v": torch.randn(7)}}
+    try:
+        with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+            m = ck.save(1, state)
+    finally:
+        probe.forget()
+    assert waited == [True] and all(n.startswith("ckrun-hash") for n in hashers)
+    data = (tmp_path / m.shards[0].key).read_bytes()
+    assert m.shards[0].checksum == f"crc32c:{real_crc(data):08x}"
+    assert m.tensor_layout is not None
+    for begin, end, entry_crc in m.tensor_layout["shards"][0]["entries"].values():
+        assert entry_crc == f"crc32c:{real_crc(data[begin:end]):08x}"
+    with ckrun.Checkpointer(storage=str(tmp_path), rng=False, lock=False) as ck:
+        fresh = {"extra": {"w": torch.zeros_like(state["extra"]["w"]), "v": torch.zeros(7)}}
+        ck.load(fresh)
+    assert torch.equal(fresh["extra"]["w"], state["extra"]["w"])
