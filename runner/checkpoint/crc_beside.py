@@ -33,16 +33,18 @@ class Beside:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, buf: memoryview) -> Future[int] | None:
+    def start(self, buf: memoryview, owner: object) -> Future[int] | None:
         """The CRC32C of ``buf`` (an int future) when it is big enough to be worth a
-        hand-off, else None (the caller hashes it)."""
+        hand-off, else None (the caller hashes it).  ``owner`` is the array ``buf`` views,
+        kept alive until the hash is done: a tensor's byte view does not keep it alive,
+        and a save that fails before its hash is collected drops its arrays."""
         if len(buf) < BESIDE_BYTES:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 1, thread_name_prefix="ckrun-hash", initializer=priority.register_inherited
             )
-        return self._pool.submit(crc32c.crc32c, buf)
+        return self._pool.submit(_crc32c, buf, owner)
 
     def close(self) -> None:
         """End the thread once its hashes are done (a pending one is dropped);
@@ -50,3 +52,8 @@ class Beside:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _crc32c(buf: memoryview, owner: object) -> int:
+    """CRC32C of ``buf``; ``owner`` rides along so that the arguments keep it alive."""
+    return int(crc32c.crc32c(buf))

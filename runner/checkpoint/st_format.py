@@ -299,7 +299,7 @@ def write_unhashed(
                     w.write(copied)
                 else:
                     buf = fmt.bytes_view(t)
-                    ecrc = beside.start(buf) or 0  # a big entry: hashed while written
+                    ecrc = beside.start(buf, t) or 0  # a big entry: hashed while written
                     w.write(buf)
             pending.append((names[i], pos, n, buf, ecrc))
             pos += n

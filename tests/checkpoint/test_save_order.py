@@ -310,3 +310,38 @@ def test_a_big_entry_is_hashed_while_it_is_written(
         fresh = {"extra": {"w": torch.zeros_like(state["extra"]["w"]), "v": torch.zeros(7)}}
         ck.load(fresh)
     assert torch.equal(fresh["extra"]["w"], state["extra"]["w"])
+
+
+def test_a_hash_beside_the_writes_keeps_its_array_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor's byte view does not keep the tensor alive, so the hash thread keeps
+    the array itself until its hash is done: a save that fails before collecting the
+    hash (its writer's commit raised) may drop its arrays meanwhile, and a hash of a
+    freed array would read unmapped memory."""
+    import gc
+    import weakref
+
+    import crc32c
+    from ckrun.checkpoint import crc_beside
+    from ckrun.checkpoint import shard as fmt
+
+    gate = threading.Event()
+    alive: list[bool] = []
+    real = crc32c.crc32c
+    t = torch.randn(crc_beside.BESIDE_BYTES // 4)
+    want = real(t.numpy().tobytes())
+    ref = weakref.ref(t)
+
+    def crc(data: Any, value: int = 0) -> int:
+        assert gate.wait(10)
+        alive.append(ref() is not None)
+        return int(real(data, value)) if alive[-1] else 0  # never read freed memory
+
+    monkeypatch.setattr(crc32c, "crc32c", crc)
+    beside = crc_beside.Beside()
+    fut = beside.start(fmt.bytes_view(t), t)
+    del t
+    gc.collect()
+    gate.set()
+    assert fut is not None and fut.result() == want
+    beside.close()
+    assert alive == [True]
