@@ -336,11 +336,14 @@ def write_object(w: ObjectWriter, p: Planned) -> st_format.Unhashed:
     """Write ``p`` as a format-2 shard into ``w`` and commit it; on any error abort ``w``
     (nothing is left under the key) and re-raise.  Returns the committed shard unhashed:
     the caller hashes it (under the write-back) where a failure removes the shard."""
+    out: st_format.Unhashed | None = None
     try:
         out = st_format.write_unhashed(w, p.tree, p.tensors, p.names, p.prepared)
         w.commit()
         return out
     except BaseException:
+        if out is not None:  # its hashes will not be collected: end their thread
+            out.beside.close()
         w.abort()
         raise
 
@@ -359,13 +362,10 @@ def layout_part(p: Planned, written: st_format.Written) -> dict[str, Any]:
 def merge_layout(
     parts: list[dict[str, Any]], tensors: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The manifest's ``layout`` from every rank's :func:`layout_part`, by rank; raises
-    :class:`~ckrun.errors.CheckpointError` as :func:`layout_tensors`.
-
-    Args:
-        tensors: :func:`layout_tensors` of these parts, kept from a save of the same
-            structure (:class:`Planned`'s ``layout_tensors``).
-    """
+    """The manifest's ``layout`` from every rank's :func:`layout_part`, by rank, with
+    ``tensors`` (their :func:`layout_tensors`) when kept from a save of the same structure
+    (:class:`Planned`'s ``layout_tensors``); raises
+    :class:`~ckrun.errors.CheckpointError` as :func:`layout_tensors`."""
     shards = [{k: part[k] for k in ("header_bytes", "header_crc", "entries")} for part in parts]
     if tensors is None:
         tensors = layout_tensors(parts)

@@ -345,3 +345,29 @@ def test_a_hash_beside_the_writes_keeps_its_array_alive(monkeypatch: pytest.Monk
     assert fut is not None and fut.result() == want
     beside.close()
     assert alive == [True]
+
+
+def test_a_shard_whose_commit_fails_leaves_no_hash_thread() -> None:
+    """A big entry's hash runs on a thread of the save; when the shard's commit raises
+    (an I/O error, a lazy snapshot's final check), the save ends that thread before the
+    error leaves it, even while the error is still referenced."""
+    from ckrun.checkpoint import crc_beside, sharding
+    from ckrun.checkpoint import shard as fmt
+    from ckrun.checkpoint.process_group import Group
+
+    class Writer:
+        def write(self, b: Any) -> None:
+            pass
+
+        def commit(self) -> None:
+            raise OSError("commit failed")
+
+        def abort(self) -> None:
+            pass
+
+    snap = fmt.snapshot({"w": torch.randn(crc_beside.BESIDE_BYTES // 2)})
+    planned = sharding.plan(snap, Group(0, 1))
+    with pytest.raises(OSError, match="commit failed") as err:
+        sharding.write_object(Writer(), planned)  # type: ignore[arg-type]
+    assert err.value is not None
+    assert [t for t in threading.enumerate() if t.name.startswith("ckrun-hash")] == []
