@@ -443,3 +443,47 @@ def test_a_copier_failing_mid_entry_fails_the_save_instead_of_hanging(
         with pytest.raises(ckrun.CheckpointError, match="the copier stopped"):
             h.result(timeout=30)
         assert ck.latest() is None
+
+
+class BigNet(Net):
+    """Net with an 8 MiB parameter: its entries (and AdamW's two moments of it) are
+    hashed beside their writes (:mod:`ckrun.checkpoint.crc_beside`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from ckrun.checkpoint import crc_beside
+
+        self.big = torch.nn.Parameter(torch.randn(2 * crc_beside.BESIDE_BYTES // 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.big.mean()
+
+
+def test_a_lazy_save_hashes_its_big_entries_from_their_final_bytes(
+    tmp_path: Path, held_copier: threading.Event
+) -> None:
+    """Big entries copied by the optimizer's pre-hook while the next step runs are
+    hashed from the copies once they have landed: the shard is byte for byte the
+    synchronous one and every CRC32C in the manifest is that of the file's bytes."""
+    import crc32c
+
+    torch.manual_seed(0)
+    model = BigNet()
+    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    train(state, K)
+    expected = sync_reference(tmp_path, state)
+    with lazy_saver(tmp_path) as ck:
+        h = ck.async_save(K, state, lazy=True)
+        lz = started_lazy(ck)
+        train(state, 1)  # the held copier took nothing: the step's pre-hook copies
+        held_copier.set()
+        m = h.result()
+        assert lz.stats.by_hook >= 3  # big, and AdamW's exp_avg and exp_avg_sq of it
+    data = shard_bytes(tmp_path / "run", K)
+    assert data == expected
+    assert m.shards[0].checksum == f"crc32c:{crc32c.crc32c(data):08x}"
+    assert m.tensor_layout is not None
+    entries = m.tensor_layout["shards"][0]["entries"].values()
+    assert sum(end - begin >= 2 * (4 << 20) for begin, end, _ in entries) == 3
+    for begin, end, crc in entries:
+        assert crc == f"crc32c:{crc32c.crc32c(data[begin:end]):08x}"
