@@ -41,9 +41,7 @@ class Beside:
         if len(buf) < BESIDE_BYTES:
             return None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                1, thread_name_prefix="ckrun-hash", initializer=priority.register_inherited
-            )
+            self._pool = priority.inheriting_pool(1, "ckrun-hash")
         return self._pool.submit(_crc32c, buf, owner)
 
     def close(self) -> None:

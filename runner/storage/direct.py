@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from ckrun.errors import CheckpointError, ConfigError, StorageError, map_os_error
 from ckrun.storage import priority
@@ -106,9 +106,9 @@ class DirectWriter(LocalWriter):
         self._cur = 0
         self._fill = 0
         self._off = 0  # file offset of the current buffer's first byte
-        self._pool = ThreadPoolExecutor(  # started by an idle persist: registered
-            self.depth, thread_name_prefix="ckrun-odirect", initializer=priority.register_inherited
-        )
+        self._pool = priority.inheriting_pool(
+            self.depth, "ckrun-odirect"
+        )  # raised with the persist
 
     def _wait(self, i: int) -> None:
         f = self._pending[i]
@@ -250,9 +250,7 @@ class ArenaWriter(LocalWriter):
         self._data_off: int | None = None
         self._head: mmap.mmap | None = None
         self._sent = 0  # data bytes handed to the I/O thread
-        self._pool = ThreadPoolExecutor(  # inherits the persist's SCHED_IDLE: registered
-            1, thread_name_prefix="ckrun-arena-io", initializer=priority.register_inherited
-        )
+        self._pool = priority.inheriting_pool(1, "ckrun-arena-io")  # raised with the persist
         self._futs: deque[Future[None]] = deque()
         self._rate = _max_rate()
         self._t0 = time.monotonic()

@@ -18,8 +18,14 @@ worker lowers itself again when its next persist starts.  Leaving ``SCHED_IDLE``
 ``__sched_setscheduler``); where neither holds, :func:`lower` uses ``nice`` alone.
 
 I/O threads started by a lowered thread inherit its policy (``clone`` copies it) and
-register themselves with :func:`register_inherited` (a ``ThreadPoolExecutor``
-initializer), so they are raised too.
+register themselves as they start (:func:`inheriting_pool`), so they are raised too.
+A thread exists, already ``SCHED_IDLE``, before its registration runs; a raise that
+lands in between would miss it, so every raise is counted (a generation, taken under
+the lock with the list of threads to raise) and a thread that registers after a raise
+its starter has not lowered itself since raises itself: under the one lock, either
+the raise sees the registration or the registration sees the raise.  The lock is
+replaced in a forked child (``os.register_at_fork``): a DataLoader worker forked while
+a persist holds it would otherwise block on its first priority call.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import os
 import platform
 import resource
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "PERSIST_NICE",
     "can_leave_idle",
+    "inheriting_pool",
     "lower",
     "normal_policy",
     "policy_name",
@@ -48,8 +56,19 @@ log = logging.getLogger(__name__)
 PERSIST_NICE = 10
 _IOPRIO_SYSCALL = {"x86_64": 251, "aarch64": 30}
 _CAP_SYS_NICE = 23
-_lowered: set[int] = set()  # tids of this process that run lowered
+_lowered: dict[int, int] = {}  # tid of a lowered thread -> _raises when it lowered
+_raises = 0  # raise_waited calls so far (the raise generation)
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """The child has one thread and none of the parent's: a fresh lock, no threads."""
+    global _lock
+    _lock = threading.Lock()
+    _lowered.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def can_leave_idle(nice: int) -> bool:
@@ -101,17 +120,37 @@ def lower(nice: int = PERSIST_NICE, *, idle: bool = True) -> str:
             pass
     with _lock:
         _prune()
-        _lowered.add(tid)
+        _lowered[tid] = _raises
     return policy_name(tid)
 
 
-def register_inherited() -> None:
+def inheriting_pool(workers: int, name: str) -> ThreadPoolExecutor:
+    """A pool of up to ``workers`` I/O threads (named ``name``-N) for the calling
+    thread, which may be a lowered persist: each thread registers as it starts
+    (:func:`register_inherited`, with the caller as its starter), so a waiter raises it
+    along with the persist."""
+    return ThreadPoolExecutor(
+        workers,
+        thread_name_prefix=name,
+        initializer=register_inherited,
+        initargs=(threading.get_native_id(),),
+    )
+
+
+def register_inherited(starter: int | None = None) -> None:
     """``ThreadPoolExecutor`` initializer of I/O threads: register the calling thread
-    when it inherited ``SCHED_IDLE`` from the thread that started it."""
+    when it inherited ``SCHED_IDLE`` from the thread that started it, and raise it at
+    once when a :func:`raise_waited` came after ``starter`` (that thread's native id)
+    last lowered itself: the raise ran before this registration and missed it."""
     tid = threading.get_native_id()
-    if hasattr(os, "SCHED_IDLE") and _policy(tid) == os.SCHED_IDLE:
-        with _lock:
-            _lowered.add(tid)
+    if not hasattr(os, "SCHED_IDLE") or _policy(tid) != os.SCHED_IDLE:
+        return
+    with _lock:
+        _lowered[tid] = _raises
+        since = _lowered.get(starter) if starter is not None else None
+        late = since is not None and since < _raises
+    if late:
+        raise_thread(tid)
 
 
 def raise_waited() -> int:
@@ -121,9 +160,11 @@ def raise_waited() -> int:
     Returns:
         How many threads were raised.
     """
+    global _raises
     if not hasattr(os, "SCHED_IDLE"):
         return 0
     with _lock:
+        _raises += 1  # a thread registering from here on sees it (register_inherited)
         _prune()
         tids = list(_lowered)
     return sum(raise_thread(tid) for tid in tids)
@@ -186,4 +227,5 @@ def _prune() -> None:
         else None
     )
     if alive is not None:
-        _lowered.intersection_update(alive)
+        for tid in _lowered.keys() - alive:
+            del _lowered[tid]

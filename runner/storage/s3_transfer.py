@@ -195,9 +195,7 @@ class S3Writer:
                 ChecksumType="FULL_OBJECT",
             )
             self._upload_id = str(resp["UploadId"])
-            self._pool = ThreadPoolExecutor(  # started by an idle persist: registered
-                s.options.max_concurrency, "ckrun-s3-part", initializer=priority.register_inherited
-            )
+            self._pool = priority.inheriting_pool(s.options.max_concurrency, "ckrun-s3-part")
         while len(self._pending) >= s.options.max_concurrency:
             self._parts.append(self._pending.popleft().result())
         number = len(self._parts) + len(self._pending) + 1

@@ -10,7 +10,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +170,7 @@ def test_inherited_io_threads_are_registered_and_raised() -> None:
     def worker() -> None:
         out["policy"] = priority.lower(12)
         out["tid"] = threading.get_native_id()
-        with ThreadPoolExecutor(1, initializer=priority.register_inherited) as io:
+        with priority.inheriting_pool(1, "ckrun-test-io") as io:
             out["io"] = io.submit(threading.get_native_id).result()
             out["io policy"] = io.submit(os.sched_getscheduler, 0).result()
             out["registered"] = priority.registered()

@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +72,43 @@ def ro_fs(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("cannot remount read-only")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fork_call(fn: Callable[[], object]) -> int:
+    """Fork; the child calls ``fn`` and exits 0 if it returns, 1 if it raises (it never
+    returns here).  Returns the child's pid in the parent."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+@pytest.fixture
+def fork_call() -> Callable[[Callable[[], object]], int]:
+    """:func:`_fork_call`: run a function in a forked child; returns its pid."""
+    return _fork_call
+
+
+def _reap(pid: int, limit_s: float = 20) -> int | None:
+    """The exit code of forked child ``pid``, or None (and the child killed) when it
+    has not exited within ``limit_s`` seconds: a bounded wait for a child that may hang."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.fixture
+def reap_child() -> Callable[[int], int | None]:
+    """:func:`_reap`: wait, bounded, for a forked child; None if it hung (killed)."""
+    return _reap

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import ckrun
@@ -241,33 +242,20 @@ def test_a_failed_fsync_of_the_shard_names_the_shard(
     assert st.head("d/manifest.json") is None
 
 
-def test_a_child_forked_while_the_fsync_crew_starts_gets_its_own(tmp_path: Path) -> None:
+def test_a_child_forked_while_the_fsync_crew_starts_gets_its_own(
+    tmp_path: Path,
+    fork_call: Callable[[Callable[[], object]], int],
+    reap_child: Callable[[int], int | None],
+) -> None:
     """``fork`` copies ``_crew_lock`` as it is: held, when another thread was starting
     the fsync crew at that moment (the lock is held here to make that moment
     deterministic).  The child still fsyncs: it starts its own crew under a new lock
     instead of waiting forever for a thread that does not exist in it."""
-    import time
-
     from ckrun.storage import fsutil
 
     fsutil.fsync_paths([str(tmp_path)])  # the parent's crew exists
     with fsutil._crew_lock:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                fsutil.fsync_paths([str(tmp_path)])
-                code = 0
-            finally:
-                os._exit(code)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.02)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on the copied lock of the fsync crew")
-    assert os.waitstatus_to_exitcode(status) == 0
+        pid = fork_call(lambda: fsutil.fsync_paths([str(tmp_path)]))
+    code = reap_child(pid)
+    assert code is not None, "the forked child hung on the copied lock of the fsync crew"
+    assert code == 0
