@@ -65,17 +65,16 @@ class CommitContext:
         verified: manifest keys this process wrote or verified (not re-hashed).
         written: the last manifest this process committed.
         complete: the run has its completion marker.
-        retaining: the retention pass of the last synchronous save, running in the
-            background (:func:`retain_later`, on the one thread of ``retainer``);
-            joined before the next save or load.
+        retaining: the last sync save's retention pass, in the background on the one
+            thread of ``retainer`` (:func:`retain_later`); joined before the next save.
         signature: the model signature of the state last seen (:func:`ckrun.checkpoint.
             signature.of_state`), recorded in new manifests, compared by the next load.
         dirty: ``data_ptr → (name, tensor)`` of live tensors a failed in-place load
             wrote and no verified load has rewritten since (:mod:`.inplace_load`).
         unusable: why the state is unusable (a dirty tensor is still in use), or None;
             every save refuses while it is set (:func:`begin`).
-        ledger, plans: what retention knows between passes (:class:`~.retention.
-            Ledger`); the last save's plan, reused for its structure (:mod:`.plan_memo`).
+        ledger, plans: what retention knows between passes (:class:`~.retention.Ledger`);
+            the last save's plan, reused for its structure (:mod:`.plan_memo`).
     """
 
     storage: Storage
@@ -125,9 +124,10 @@ def kind_for(ctx: CommitContext, step: int) -> ManifestKind:
     return ManifestKind.MILESTONE if milestone else ManifestKind.RECOVERY
 
 
-def check_not_complete(ctx: CommitContext) -> None:
-    """Raise RunComplete once the run has its completion marker (nothing more saved)."""
-    if not ctx.complete:
+def check_not_complete(ctx: CommitContext, *, probe: bool = True) -> None:
+    """Raise RunComplete once the run has its completion marker (nothing more saved);
+    ``probe=False``: only what this process knows, no storage read."""
+    if probe and not ctx.complete:
         marker, _ = completion(ctx.storage)
         ctx.complete = marker is not None
     if ctx.complete:
@@ -150,7 +150,9 @@ def acquire(ctx: CommitContext) -> None:
 
 def begin(ctx: CommitContext) -> None:
     """Before any save: the state is not half-loaded, the last save's retention has
-    finished, the run is not complete, and this process holds the lock.
+    finished, the run is not complete, and this process holds the lock.  Once this
+    process has committed, a one-rank save reads the marker just before its commit
+    instead (:func:`persist`): off the time before the shard is written (issue 19).
 
     Raises:
         StateUnusable: a failed in-place load left the state half-written.
@@ -158,7 +160,7 @@ def begin(ctx: CommitContext) -> None:
     if ctx.unusable:
         raise StateUnusable(ctx.unusable)
     wait_retention(ctx)
-    check_not_complete(ctx)
+    check_not_complete(ctx, probe=ctx.written is None or ctx.world_size > 1)
     acquire(ctx)
 
 
@@ -211,7 +213,6 @@ def persist(
     """
     try:
         kind = ManifestKind(kind)  # a ManifestKind, or its value
-
         if callable(compat) and ctx.world_size > 1:
             compat = compat()  # every rank builds it first, as before
 
@@ -253,6 +254,7 @@ def persist(
                 layout.manifest_key(step, area),
                 sharding.merge_layout([sharding.layout_part(snap, out)], snap.layout_tensors),
             )
+            check_not_complete(ctx)  # a marker written since begin: no commit after it
         except BaseException:
             _drop_unnamed(ctx.storage, key)
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 import ckrun
 import pytest
 import torch
-from ckrun.checkpoint import discovery, layout
+from ckrun.checkpoint import discovery, layout, sharding
+from ckrun.checkpoint.marker import CompletionMarker
 
 PROG = str(Path(__file__).parent / "progs" / "finish.py")
 
@@ -64,3 +66,34 @@ def test_finalize_same_step_returns_it_other_step_refused(run_dir: Path) -> None
         assert ck.finalize(3, s).key == a.key
         with pytest.raises(ckrun.RunComplete):
             ck.finalize(4, s)
+
+
+def test_a_marker_written_while_a_save_writes_refuses_its_commit(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the run completes elsewhere (another owner commits its final artifact and the
+    # marker) after this save began: its commit would land after the marker; it is
+    # refused and its shard dropped instead
+    s = {"w": torch.ones(2)}
+    with ckrun.Checkpointer(str(tmp_path / "elsewhere"), rng=False) as other:
+        final = other.finalize(5, s)
+    with ckrun.Checkpointer(str(run_dir), rng=False) as ck:
+        ck.save(1, s)
+        write = sharding.write_object
+
+        def finish_then_write(*a: object, **kw: object) -> object:
+            shutil.copytree(tmp_path / "elsewhere" / "final", run_dir / "final")
+            marker = CompletionMarker.for_manifest(final).dumps()
+            ckrun.open_storage(str(run_dir)).put(layout.COMPLETE, marker)
+            return write(*a, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(sharding, "write_object", finish_then_write)
+        with pytest.raises(ckrun.RunComplete):
+            ck.save(2, s)
+        monkeypatch.undo()
+        with pytest.raises(ckrun.RunComplete):  # known now: refused before any work
+            ck.save(3, s)
+    steps = [m.step for m in discovery.committed(ckrun.open_storage(str(run_dir)))]
+    assert steps == [5, 1]
+    left = [p for p in (run_dir / "checkpoints").rglob("*") if p.is_file()]
+    assert all("step-0000000001" in str(p) for p in left), left
