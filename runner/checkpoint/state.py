@@ -11,6 +11,7 @@ device is captured next to it and restored last, so the first random draw after
 
 from __future__ import annotations
 
+import array
 import logging
 import random
 import sys
@@ -175,9 +176,12 @@ def _python_rng() -> list[Any]:
     Twister words (624 state words and the position) in one int64 tensor: a single leaf
     of the saved tree.  As the tuple ``random.getstate()`` returns, every word was a tree
     node of its own, and encoding them cost about 1.5 ms per save, a quarter of a 1 MB
-    checkpoint's time (issue 19, measured with cProfile)."""
+    checkpoint's time (issue 19, measured with cProfile).  The words go through an
+    ``array`` (one C conversion) rather than ``torch.tensor(list)``, which infers each
+    element's type: 49 → 20 µs hot and 750 → 290 µs right after a training step, when
+    the save's code runs cache-cold (bench/README.md, "Seventeenth session")."""
     version, words, gauss = random.getstate()
-    return [version, torch.tensor(words, dtype=torch.int64), gauss]
+    return [version, torch.frombuffer(array.array("q", words), dtype=torch.int64), gauss]
 
 
 def _python_rng_tuple(py: Any) -> tuple[Any, ...]:
