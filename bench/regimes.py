@@ -329,9 +329,9 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
             t = time.perf_counter()
             ck.save(s, state)
             ts.append(time.perf_counter() - t)
-        # ckrun's work before its first write (capture, RNG, plan: no I/O), right after
-        # the step as in the save, and again at once (hot): what the save's code costs
-        # cache-cold on this machine (bench/README.md, "Seventeenth session")
+        # ckrun's work before its first write (capture and plan, no I/O; these rows save
+        # no RNG state), right after the step as in the save, and again at once (hot):
+        # what the save's code costs cache-cold here (bench/README.md, "Seventeenth session")
         cold, hot = [], []
         for _ in range(SMALL_SAVES):
             step()
