@@ -32,7 +32,7 @@ import math
 import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import crc32c
@@ -89,11 +89,44 @@ class Snapshot:
         tensors: contiguous tensors (CPU, or on an accelerator: copied per tensor while
             persisting) and numpy arrays, in placeholder order.
         nbytes: total tensor bytes.
+        chains: per tensor, where :func:`snapshot` found it: ``"state"``, then
+            ``(parent, ".", key)`` for a string key, ``(parent, "[", index)`` for a list or
+            tuple item, ``(parent, "#", (position, type(key), key))`` for an integer key
+            and ``(parent, "#", (position,))`` for any other key of a dict with other
+            than string keys, ``(parent, "@", position or "meta")`` inside a key or an
+            ``OrderedDict``'s metadata.  A tensor's name
+            (:func:`~ckrun.checkpoint.tree_names.tensor_paths`) is a function of its
+            chain, so equal chains name the tensors alike (:mod:`.plan_memo`): compared
+            in C, without a walk of the tree.
+        slots: per tensor, its placeholder dict in ``tree`` (replaced in place by the
+            plan: :func:`ckrun.checkpoint.sharding.materialize`).
     """
 
     tree: Any
     tensors: list[HostArray]
     nbytes: int
+    chains: list[Any] = field(default_factory=list, repr=False, compare=False)
+    slots: list[dict[str, Any]] = field(default_factory=list, repr=False, compare=False)
+
+
+class _Found:
+    """What :func:`_encode` collects while it builds a tree: :class:`Snapshot`'s
+    ``tensors``, ``chains`` and ``slots``, appended together."""
+
+    __slots__ = ("chains", "slots", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[HostArray] = []
+        self.chains: list[Any] = []
+        self.slots: list[dict[str, Any]] = []
+
+    def add(self, t: HostArray, chain: Any, tag: str) -> dict[str, Any]:
+        """Record ``t`` found at ``chain``; returns its placeholder."""
+        slot = {TAG: tag, "i": len(self.tensors)}
+        self.tensors.append(t)
+        self.chains.append(chain)
+        self.slots.append(slot)
+        return slot
 
 
 def align_up(n: int, a: int) -> int:
@@ -117,10 +150,10 @@ def snapshot(obj: Any, *, copy: bool = False) -> Snapshot:
     Raises:
         CheckpointError: an unsupported value (its path and type are named).
     """
-    tensors: list[HostArray] = []
-    tree = _encode(obj, tensors, "state", copy)
-    nbytes = sum(_nbytes(t) for t in tensors)
-    return Snapshot(tree, tensors, nbytes)
+    found = _Found()
+    tree = _encode(obj, found, "state", copy)
+    nbytes = sum(_nbytes(t) for t in found.tensors)
+    return Snapshot(tree, found.tensors, nbytes, found.chains, found.slots)
 
 
 def _nbytes(t: HostArray) -> int:
@@ -138,33 +171,35 @@ _SAVED_DTYPES = frozenset(DTYPES.values())
 
 def _where(path: Any) -> str:
     """The dotted path of a value (``state.user.model[2]``) from the chain the encoder
-    passes down, ``(parent, ".", key)`` or ``(parent, "[", index)``: built only for an
-    error message, not for every value of every save."""
+    passes down (:attr:`Snapshot.chains`' form): built only for an error message, not for
+    every value of every save."""
     parts = []
     while isinstance(path, tuple):
         path, sep, k = path
-        parts.append(f".{k}" if sep == "." else f"[{k}]")
+        if sep == "#":  # a non-string key (:func:`_named_by`)
+            sep, k = ".", k[2] if len(k) == 3 else f"#{k[0]}"
+        parts.append(f".{k}" if sep == "." else f"[{k}]" if sep == "[" else "")  # "@": a key
     return str(path) + "".join(reversed(parts))
 
 
-def _encode(v: Any, tensors: list[Any], path: Any, copy: bool) -> Any:
+def _encode(v: Any, found: _Found, path: Any, copy: bool) -> Any:
     if isinstance(v, torch.Tensor):  # the common leaves first (no ndarray is either)
-        return _tensor(v, tensors, path, copy)
+        return _tensor(v, found, path, copy)
     if isinstance(v, dict) or isinstance(v, Mapping):
-        return _mapping(v, tensors, path, copy)
+        return _mapping(v, found, path, copy)
     np = sys.modules.get("numpy")  # an ndarray exists only if numpy was imported
     if np is not None and isinstance(v, (np.ndarray, np.generic)):
-        return _numpy_value(v, tensors, path, copy)
+        return _numpy_value(v, found, path, copy)
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else _tag("float", v=repr(v))
     if isinstance(v, list):
-        return [_encode(x, tensors, (path, "[", i), copy) for i, x in enumerate(v)]
+        return [_encode(x, found, (path, "[", i), copy) for i, x in enumerate(v)]
     if isinstance(v, torch.Size):
         return _tag("size", v=list(v))
     if isinstance(v, tuple):
-        items = [_encode(x, tensors, (path, "[", i), copy) for i, x in enumerate(v)]
+        items = [_encode(x, found, (path, "[", i), copy) for i, x in enumerate(v)]
         return _tag("tuple", items=items)
     if isinstance(v, (bytes, bytearray)):
         return _tag("bytes", b64=base64.b64encode(bytes(v)).decode())
@@ -178,31 +213,44 @@ def _encode(v: Any, tensors: list[Any], path: Any, copy: bool) -> Any:
     )
 
 
-def _numpy_value(v: Any, tensors: list[Any], path: Any, copy: bool) -> Any:
+def _numpy_value(v: Any, found: _Found, path: Any, copy: bool) -> Any:
     import numpy as np
 
     if isinstance(v, np.generic):
-        return _tag("npscalar", dtype=v.dtype.str, v=_encode(v.item(), tensors, path, copy))
+        return _tag("npscalar", dtype=v.dtype.str, v=_encode(v.item(), found, path, copy))
     if v.dtype.hasobject:
         raise CheckpointError(f"{_where(path)}: numpy arrays of Python objects cannot be saved")
-    tensors.append(np.ascontiguousarray(v).copy() if copy else np.ascontiguousarray(v))
-    return _tag("ndarray", i=len(tensors) - 1)
+    a = np.ascontiguousarray(v)
+    return found.add(a.copy() if copy else a, path, "ndarray")
 
 
-def _mapping(v: Mapping[Any, Any], tensors: list[Any], path: Any, copy: bool) -> Any:
+def _mapping(v: Mapping[Any, Any], found: _Found, path: Any, copy: bool) -> Any:
     meta = getattr(v, "_metadata", None)
     if all(isinstance(k, str) for k in v) and TAG not in v and meta is None:
-        return {k: _encode(x, tensors, (path, ".", k), copy) for k, x in v.items()}
-    items = [
-        [_encode(k, tensors, path, copy), _encode(x, tensors, (path, ".", k), copy)]
-        for k, x in v.items()
+        return {k: _encode(x, found, (path, ".", k), copy) for k, x in v.items()}
+    items = [  # the key's position and type in the chain: they name the tensors below
+        [
+            _encode(k, found, (path, "@", j), copy),  # "@": not a value's place (no name)
+            _encode(x, found, (path, "#", _named_by(j, k)), copy),
+        ]
+        for j, (k, x) in enumerate(v.items())
     ]
     if meta is not None:
-        return _tag("odict", items=items, meta=_encode(meta, tensors, path, copy))
+        return _tag("odict", items=items, meta=_encode(meta, found, (path, "@", "meta"), copy))
     return _tag("dict", items=items)
 
 
-def _tensor(t: torch.Tensor, tensors: list[Any], path: Any, copy: bool) -> Any:
+def _named_by(j: int, k: Any) -> tuple[Any, ...]:
+    """What the name of a value under the ``j``-th key ``k`` of a dict with other than
+    string keys depends on (:mod:`ckrun.checkpoint.tree_names`): a string or integer
+    key's type and value, any other key's position alone (named ``#j``; the key is never
+    compared: it may be a tensor)."""
+    if isinstance(k, (str, int)) and not isinstance(k, bool):
+        return (j, type(k), k)
+    return (j,)
+
+
+def _tensor(t: torch.Tensor, found: _Found, path: Any, copy: bool) -> Any:
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
         raise CheckpointError(f"{_where(path)}: only dense tensors can be saved (got {t.layout})")
     if t.dtype not in _SAVED_DTYPES:
@@ -213,8 +261,11 @@ def _tensor(t: torch.Tensor, tensors: list[Any], path: Any, copy: bool) -> Any:
         t = t.to("cpu", copy=True).contiguous()
     elif not t.is_contiguous():
         t = t.contiguous()
-    tensors.append(t)
-    return {TAG: "tensor", "i": len(tensors) - 1}
+    slot = {TAG: "tensor", "i": len(found.tensors)}  # found.add, inline: the common leaf
+    found.tensors.append(t)
+    found.chains.append(path)
+    found.slots.append(slot)
+    return slot
 
 
 def bytes_view(t: HostArray) -> memoryview:

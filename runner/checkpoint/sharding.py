@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import os
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import crc32c
 import torch
 from ckrun.checkpoint import shard as fmt
 from ckrun.checkpoint import st_format
+from ckrun.checkpoint.tree_names import tensor_paths as tensor_paths  # its former home
 from ckrun.errors import CheckpointError
 from ckrun.storage.base import ObjectWriter
 
@@ -102,43 +104,6 @@ class Structure:
     names: list[str]
     pieces: list[list[Any]]
     globals: dict[str, list[Any]]
-
-
-def tensor_paths(tree: Any) -> list[str]:
-    """Unique names of the tensor placeholders of an encoded tree, by index: the dotted
-    path (``user.model.weight``, ``user.optimizer.state.0.exp_avg``, ``rng.torch``)."""
-    out: dict[int, str] = {}
-
-    def walk(v: Any, path: str) -> None:
-        if isinstance(v, list):
-            for i, x in enumerate(v):
-                walk(x, f"{path}.{i}")
-            return
-        if not isinstance(v, dict):
-            return
-        tag = v.get(TAG)
-        if tag is None:
-            for k, x in v.items():
-                walk(x, f"{path}.{k}" if path else k)
-        elif tag in ("tensor", "ndarray"):
-            out[int(v["i"])] = path
-        elif tag == "tuple":
-            for i, x in enumerate(v["items"]):
-                walk(x, f"{path}.{i}")
-        elif tag in ("dict", "odict"):
-            for j, (k, x) in enumerate(v["items"]):
-                plain = isinstance(k, (str, int)) and not isinstance(k, bool)
-                walk(x, f"{path}.{k if plain else f'#{j}'}")
-
-    walk(tree, "")
-    names, seen = [], set()
-    for i in range(len(out)):
-        n = out[i]
-        if n in seen or "@" in n or n == "__metadata__":
-            n = f"{n}#{i}"
-        seen.add(n)
-        names.append(n)
-    return names
 
 
 def dtensor_type() -> Any:
@@ -300,7 +265,9 @@ def _decide(
 def materialize(snap: fmt.Snapshot, st: Structure, **cached: Any) -> Planned:
     """The :class:`Planned` of ``snap`` under ``st`` (the tensors of ``snap`` cut as
     ``st`` says, its tree with the global tensors named); ``cached``: the header and
-    layout parts kept with ``st`` (``prepared``, ``layout_tensors``)."""
+    layout parts kept with ``st`` (``prepared``, ``layout_tensors``).  The placeholders
+    the encoder recorded (:attr:`~ckrun.checkpoint.shard.Snapshot.slots`) are replaced
+    in place: ``snap``'s tree becomes the plan's, with no walk of it."""
     tensors: list[fmt.HostArray] = []
     local: dict[int, Any] = {}  # a DTensor's local shard, made contiguous once
     for i, a, b in st.take:
@@ -310,6 +277,11 @@ def materialize(snap: fmt.Snapshot, st: Structure, **cached: Any) -> Planned:
         tensors.append(t if a is None else t[a:b])
     names, global_of, local_index = st.paths, st.global_of, st.local_index
 
+    def placeholder(i: int, tag: str) -> dict[str, Any]:
+        if i in global_of:
+            return {TAG: "global", "name": names[i]}
+        return {TAG: tag, "i": local_index[i]}
+
     def rebind(v: Any) -> Any:
         if isinstance(v, list):
             return [rebind(x) for x in v]
@@ -317,14 +289,22 @@ def materialize(snap: fmt.Snapshot, st: Structure, **cached: Any) -> Planned:
             return v
         tag = v.get(TAG)
         if tag in ("tensor", "ndarray"):
-            i = int(v["i"])
-            if i in global_of:
-                return {TAG: "global", "name": names[i]}
-            return {TAG: tag, "i": local_index[i]}
+            return placeholder(int(v["i"]), tag)
         return {k: rebind(x) for k, x in v.items()}
 
-    nbytes = sum(fmt.nbytes(t) for t in tensors)
-    return Planned(rebind(snap.tree), tensors, nbytes, st.names, st.pieces, st.globals, **cached)
+    tree = snap.tree
+    if len(snap.slots) == len(snap.tensors):
+        for i, slot in enumerate(snap.slots):
+            new = placeholder(i, slot[TAG])
+            slot.clear()
+            slot.update(new)
+    else:  # a snapshot not from the encoder
+        tree = rebind(tree)
+    same = len(tensors) == len(snap.tensors) and all(map(operator.is_, tensors, snap.tensors))
+    nbytes = snap.nbytes if same else sum(fmt.nbytes(t) for t in tensors)
+    return Planned(
+        tree, tensors, nbytes, names=st.names, pieces=st.pieces, globals=st.globals, **cached
+    )
 
 
 def restaged(p: Planned, tensors: list[Any]) -> Planned:

@@ -141,3 +141,48 @@ def test_the_assembled_header_is_the_json_of_the_whole_header(obj: dict[str, Any
     head, tab, data_bytes = st_format.build_header(p.tree, p.tensors, p.names)
     assert head == _reference_header(p.tree, p.tensors, p.names)
     assert (tab, data_bytes) == st_format.table(p.tensors)
+
+
+def _names(m: Manifest) -> list[str]:
+    return sorted(m.tensor_layout["tensors"])
+
+
+def test_a_change_that_renames_a_tensor_is_planned_again(tmp_path: Path) -> None:
+    """The memo's key is where each tensor sits (the encoder's chains, not the names):
+    every change below renames a tensor under a dict with other than string keys, and
+    each save's names are those a fresh plan gives."""
+    t, u = torch.ones(2), torch.zeros(3)
+    states: list[dict[str, Any]] = [
+        {"d": {1: t, "s": u}},
+        {"d": {True: t, "s": u}},  # 1 == True: named "#0", not "1"
+        {"d": {"s": u, True: t}},  # the same key at another position: "#1"
+        {"d": {"s": u, 1.5: t}},  # another non-plain key at that position: same names
+        {"d": {"s": u, 2: t}},  # an int key: named by its value
+        {"d": {"s": u, "2": t}},  # a string key of the same text: same name, replanned
+    ]
+    seen: list[list[str]] = []
+    with Checkpointer(str(tmp_path / "a"), rng=False, lock=False) as ck:
+        for step, state in enumerate(states):
+            hits = ck._ctx.plans.hits
+            m = ck.save(step, state)
+            with Checkpointer(str(tmp_path / f"fresh{step}"), rng=False, lock=False) as fresh:
+                assert _names(m) == _names(fresh.save(step, state)), step
+            seen.append(_names(m))
+            replanned = ck._ctx.plans.hits == hits
+            assert replanned == (step != 3), step  # 1.5 at #1 is named as True at #1
+    assert seen[0] == ["user.d.1", "user.d.s"] and seen[1] == ["user.d.#0", "user.d.s"]
+    assert seen[2] == seen[3] == ["user.d.#1", "user.d.s"]
+    assert seen[4] == seen[5] == ["user.d.2", "user.d.s"]
+
+
+def test_a_snapshot_without_the_encoders_placeholders_is_planned_alike() -> None:
+    """``materialize`` replaces the encoder's placeholders in place; a snapshot built
+    otherwise (no ``slots``) gets the same tree by a walk."""
+    obj = {"a": [torch.ones(2), {3: torch.zeros(1)}], "n": np.arange(3), "k": 1}
+    snap = fmt.snapshot(capture(obj))
+    bare = fmt.Snapshot(json.loads(json.dumps(snap.tree)), list(snap.tensors), snap.nbytes)
+    p, q = sharding.plan(snap, Group(0, 1)), sharding.plan(bare, Group(0, 1))
+    assert p.tree is snap.tree and q.tree is not bare.tree
+    assert p.tree == q.tree and p.names == q.names and p.nbytes == q.nbytes
+    assert p.tree["user"]["a"][1]["items"] == [[3, {"__ckrun__": "global", "name": "user.a.1.3"}]]
+    assert p.tree["user"]["a"][0] == {"__ckrun__": "global", "name": "user.a.0"}
