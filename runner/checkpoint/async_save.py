@@ -173,7 +173,9 @@ class AsyncSaver:
         if self._closed:
             raise CheckpointError("async_save after close(): create a new Checkpointer")
         ctx = self._ctx
-        pipeline.begin(ctx)
+        # the last sync save's retention pass is not waited for in the pause: the
+        # persist joins it before it writes (bench/README.md, "Eighteenth session")
+        pipeline.begin(ctx, join_retention=False)
         kind = pipeline.kind_for(ctx, step)
         with self._lock:
             self.drain()
@@ -195,8 +197,9 @@ class AsyncSaver:
             meta = copy.deepcopy(dict(metrics or {}))
             stall = time.monotonic() - started
             bound = start_lag_bound(self.idle, self.idle_limit_s, step)  # not idle itself
+            prior = ctx.retaining  # left set: the next begin, load or close joins it too
             fut = self._pool.submit(
-                self._persist, step, snap, kind, compat, meta, created, started, lz, bound
+                self._persist, step, snap, kind, compat, meta, created, started, lz, bound, prior
             )
             h = AsyncSaveHandle(fut, step, stall, snap.nbytes, started)
             self._inflight, self.last_stall_s = h, stall
@@ -213,9 +216,12 @@ class AsyncSaver:
         started: float,
         lz: LazySnapshot | None = None,
         bound: threading.Timer | None = None,
+        prior: Future[None] | None = None,
     ) -> Manifest:
         t0 = time.monotonic()
         self.policy = priority.lower(self.nice, idle=self.idle)  # raised by a waiter
+        if prior is not None:  # the last save's retention pass: never beside a write
+            prior.result()
         with lag_bound(bound):
             open_shard = self.buffers.writer_for(self._ctx.storage)
             if lz is not None:  # every tensor copied (by the copier or a hook), checked

@@ -139,27 +139,26 @@ def check_not_complete(ctx: CommitContext, *, probe: bool = True) -> None:
 
 
 def acquire(ctx: CommitContext) -> None:
-    """Take the writer lock (rank 0; idempotent).
-
-    Raises:
-        RunLocked: another process writes this run.
-    """
+    """Take the writer lock (rank 0; idempotent); raises RunLocked: another process
+    writes this run."""
     if ctx.lock is not None:
         ctx.lock.acquire()
 
 
-def begin(ctx: CommitContext) -> None:
+def begin(ctx: CommitContext, *, join_retention: bool = True) -> None:
     """Before any save: the state is not half-loaded, the last save's retention has
-    finished, the run is not complete, and this process holds the lock.  Once this
-    process has committed, a one-rank save reads the marker just before its commit
-    instead (:func:`persist`): off the time before the shard is written (issue 19).
+    finished (``join_retention=False``, an async save's pause: its persist joins
+    ``ctx.retaining`` before it writes), the run is not complete, and this process
+    holds the lock.  After its first commit a one-rank save reads the marker just before
+    its commit instead (:func:`persist`): off the time before the shard is written.
 
     Raises:
         StateUnusable: a failed in-place load left the state half-written.
     """
     if ctx.unusable:
         raise StateUnusable(ctx.unusable)
-    wait_retention(ctx)
+    if join_retention:
+        wait_retention(ctx)
     check_not_complete(ctx, probe=ctx.written is None or ctx.world_size > 1)
     acquire(ctx)
 
