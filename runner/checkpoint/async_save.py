@@ -197,10 +197,13 @@ class AsyncSaver:
             meta = copy.deepcopy(dict(metrics or {}))
             stall = time.monotonic() - started
             bound = start_lag_bound(self.idle, self.idle_limit_s, step)  # not idle itself
-            prior = ctx.retaining  # left set: the next begin, load or close joins it too
+            prior = ctx.retaining  # the last sync save's retention pass, if running
             fut = self._pool.submit(
                 self._persist, step, snap, kind, compat, meta, created, started, lz, bound, prior
             )
+            # taken over: the persist joins it (its error fails this save, once); a later
+            # sync save or close drains this persist first
+            ctx.retaining = None
             h = AsyncSaveHandle(fut, step, stall, snap.nbytes, started)
             self._inflight, self.last_stall_s = h, stall
         return h
@@ -218,11 +221,11 @@ class AsyncSaver:
         bound: threading.Timer | None = None,
         prior: Future[None] | None = None,
     ) -> Manifest:
-        t0 = time.monotonic()
         self.policy = priority.lower(self.nice, idle=self.idle)  # raised by a waiter
-        if prior is not None:  # the last save's retention pass: never beside a write
-            prior.result()
         with lag_bound(bound):
+            if prior is not None:  # the last save's retention pass: never beside a write
+                prior.result()
+            t0 = time.monotonic()  # the persist's own time (the notice's estimates)
             open_shard = self.buffers.writer_for(self._ctx.storage)
             if lz is not None:  # every tensor copied (by the copier or a hook), checked
                 lz.wait()

@@ -147,10 +147,11 @@ def acquire(ctx: CommitContext) -> None:
 
 def begin(ctx: CommitContext, *, join_retention: bool = True) -> None:
     """Before any save: the state is not half-loaded, the last save's retention has
-    finished (``join_retention=False``, an async save's pause: its persist joins
-    ``ctx.retaining`` before it writes), the run is not complete, and this process
-    holds the lock.  After its first commit a one-rank save reads the marker just before
-    its commit instead (:func:`persist`): off the time before the shard is written.
+    finished (``join_retention=False``, an async save's pause: its persist takes over
+    ``ctx.retaining`` and joins it before it writes), the run is not complete, and this
+    process holds the lock.  After its first commit a one-rank save reads the marker
+    just before its commit instead (:func:`persist`): off the time before the shard is
+    written.
 
     Raises:
         StateUnusable: a failed in-place load left the state half-written.

@@ -89,17 +89,10 @@ class Snapshot:
         tensors: contiguous tensors (CPU, or on an accelerator: copied per tensor while
             persisting) and numpy arrays, in placeholder order.
         nbytes: total tensor bytes.
-        chains: per tensor, where :func:`snapshot` found it: ``"state"``, then
-            ``(parent, ".", key)`` for a string key, ``(parent, "[", index)`` for a list or
-            tuple item, ``(parent, "#", (position, type(key), key))`` for an integer key
-            and ``(parent, "#", (position,))`` for any other key of a dict with other
-            than string keys, ``(parent, "@", position or "meta")`` inside a key or an
-            ``OrderedDict``'s metadata.  A tensor's name
-            (:func:`~ckrun.checkpoint.tree_names.tensor_paths`) is a function of its
-            chain, so equal chains name the tensors alike (:mod:`.plan_memo`): compared
-            in C, without a walk of the tree.
-        slots: per tensor, its placeholder dict in ``tree`` (replaced in place by the
-            plan: :func:`ckrun.checkpoint.sharding.materialize`).
+        chains: per tensor, where :func:`snapshot` found it (the forms are in
+            :mod:`ckrun.checkpoint.tree_names`); its name is a function of it, so equal
+            chains name the tensors alike (:mod:`.plan_memo`), compared without a walk.
+        slots: per tensor, its placeholder in ``tree`` (the plan names it in place).
     """
 
     tree: Any
@@ -110,8 +103,7 @@ class Snapshot:
 
 
 class _Found:
-    """What :func:`_encode` collects while it builds a tree: :class:`Snapshot`'s
-    ``tensors``, ``chains`` and ``slots``, appended together."""
+    """:class:`Snapshot`'s ``tensors``, ``chains`` and ``slots``, as :func:`_encode` finds them."""
 
     __slots__ = ("chains", "slots", "tensors")
 
@@ -226,25 +218,42 @@ def _numpy_value(v: Any, found: _Found, path: Any, copy: bool) -> Any:
 
 def _mapping(v: Mapping[Any, Any], found: _Found, path: Any, copy: bool) -> Any:
     meta = getattr(v, "_metadata", None)
-    if all(isinstance(k, str) for k in v) and TAG not in v and meta is None:
-        return {k: _encode(x, found, (path, ".", k), copy) for k, x in v.items()}
+    if TAG not in v and meta is None:
+        if all(type(k) is str for k in v):
+            return {k: _encode(x, found, (path, ".", k), copy) for k, x in v.items()}
+        if all(isinstance(k, str) for k in v):  # a str subclass formats its own name
+            return {
+                k: _encode(x, found, (path, "#", _named_by(j, k)), copy)
+                for j, (k, x) in enumerate(v.items())
+            }
     items = [  # the key's position and type in the chain: they name the tensors below
         [
-            _encode(k, found, (path, "@", j), copy),  # "@": not a value's place (no name)
+            _key(k, found, (path, "@", j), copy),
             _encode(x, found, (path, "#", _named_by(j, k)), copy),
         ]
         for j, (k, x) in enumerate(v.items())
     ]
     if meta is not None:
-        return _tag("odict", items=items, meta=_encode(meta, found, (path, "@", "meta"), copy))
+        return _tag("odict", items=items, meta=_key(meta, found, (path, "@", "meta"), copy))
     return _tag("dict", items=items)
 
 
+def _key(k: Any, found: _Found, path: Any, copy: bool) -> Any:
+    """A dict key (or an ``OrderedDict``'s ``_metadata``) encoded; raises CheckpointError
+    (the dict's path named) when it holds a tensor or array, which would have no name."""
+    n = len(found.tensors)
+    out = _encode(k, found, path, copy)
+    if len(found.tensors) != n:
+        raise CheckpointError(
+            f"{_where(path)}: a dict key (or an OrderedDict's _metadata) holds a tensor or "
+            "array; keep tensors in the values and use strings or numbers as keys"
+        )
+    return out
+
+
 def _named_by(j: int, k: Any) -> tuple[Any, ...]:
-    """What the name of a value under the ``j``-th key ``k`` of a dict with other than
-    string keys depends on (:mod:`ckrun.checkpoint.tree_names`): a string or integer
-    key's type and value, any other key's position alone (named ``#j``; the key is never
-    compared: it may be a tensor)."""
+    """What names a value under the ``j``-th key ``k`` (:mod:`.tree_names`): a string or
+    integer key's type and value, another's position (never compared: a tensor?)."""
     if isinstance(k, (str, int)) and not isinstance(k, bool):
         return (j, type(k), k)
     return (j,)

@@ -267,7 +267,8 @@ def materialize(snap: fmt.Snapshot, st: Structure, **cached: Any) -> Planned:
     ``st`` says, its tree with the global tensors named); ``cached``: the header and
     layout parts kept with ``st`` (``prepared``, ``layout_tensors``).  The placeholders
     the encoder recorded (:attr:`~ckrun.checkpoint.shard.Snapshot.slots`) are replaced
-    in place: ``snap``'s tree becomes the plan's, with no walk of it."""
+    in place: ``snap``'s tree becomes the plan's, with no walk of it (a snapshot is
+    planned once)."""
     tensors: list[fmt.HostArray] = []
     local: dict[int, Any] = {}  # a DTensor's local shard, made contiguous once
     for i, a, b in st.take:

@@ -3,12 +3,21 @@ a shard, the keys of its layout and of a resharded load.
 
 A tensor is named by its place in the state: ``user.model.weight``,
 ``user.optimizer.state.0.exp_avg``, ``rng.torch``.  The name is a function of the
-encoder's chain for that tensor (:attr:`ckrun.checkpoint.shard.Snapshot.chains`): a
-string key adds ``.key`` (the root's keys are bare), a list or tuple item ``.index``, an
-integer key of a dict with other than string keys ``.key`` and any other key ``.#j``
-(its position ``j``); a tensor inside a key or an ``OrderedDict``'s metadata has no
-name.  A name seen before, holding ``@`` or equal to ``__metadata__`` gets ``#i`` (its
-index) appended, so names are unique and never a safetensors reserved key.
+encoder's chain for that tensor (:attr:`ckrun.checkpoint.shard.Snapshot.chains`), which
+is ``"state"`` and then, per level:
+
+* ``(parent, ".", key)``: a ``str`` key (exactly ``str``): adds ``.key`` (the root's
+  keys are bare);
+* ``(parent, "[", index)``: a list or tuple item: adds ``.index``;
+* ``(parent, "#", (position, type(key), key))``: a key of a subclass of ``str``, or an
+  ``int`` key of a dict with other than string keys: adds ``.key`` as the key formats
+  itself;
+* ``(parent, "#", (position,))``: any other key: adds ``.#position``;
+* ``(parent, "@", position or "meta")``: inside a key or an ``OrderedDict``'s
+  metadata: no name; the encoder refuses a tensor there.
+
+A name seen before, holding ``@`` or equal to ``__metadata__`` gets ``#i`` (its index)
+appended, so names are unique and never a safetensors reserved key.
 """
 
 from __future__ import annotations

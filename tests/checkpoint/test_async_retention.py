@@ -86,30 +86,33 @@ def test_an_async_save_returns_while_the_last_retention_pass_runs(
         assert _steps(tmp_path) == [3]
 
 
-def test_a_retention_error_reaches_the_async_save_that_waited_for_it(
+def test_a_retention_error_fails_the_async_save_that_waited_for_it_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A pass that raises (a storage error it does not catch itself) fails the persist
-    that waited for it, on its handle; nothing of that step is committed."""
+    """A pass that raises (an error it does not log itself) fails the async save that
+    took it over, on its handle, and only that save: the next save commits and close
+    closes the async saver."""
     state = _state()
-    with Checkpointer(str(tmp_path), rng=False, lock=False, keep_last=1) as ck:
-        ck.save(1, state)
-        gate = threading.Event()
+    ck = Checkpointer(str(tmp_path), rng=False, lock=False, keep_last=1)
+    ck.save(1, state)
+    gate = threading.Event()
+    real = retention.retain_after
 
-        def broken(*a: Any, **kw: Any) -> Any:
-            gate.wait(30)  # before the fix the call itself waited here
-            raise RuntimeError("retention broke")
+    def broken(*a: Any, **kw: Any) -> Any:
+        gate.wait(30)  # before the fix the call itself waited here
+        raise RuntimeError("retention broke")
 
-        monkeypatch.setattr(retention, "retain_after", broken)
-        ck.save(2, state)
-        h = ck.async_save(3, state)
-        gate.set()
-        with pytest.raises(RuntimeError, match="retention broke"):
-            h.result()
-        monkeypatch.undo()
-        with pytest.raises(RuntimeError, match="retention broke"):
-            pipeline.wait_retention(ck._ctx)  # the next save or close sees it too
-    assert _steps(tmp_path) == [1, 2]
+    monkeypatch.setattr(retention, "retain_after", broken)
+    ck.save(2, state)
+    h = ck.async_save(3, state)
+    gate.set()
+    with pytest.raises(RuntimeError, match="retention broke"):
+        h.result()
+    monkeypatch.setattr(retention, "retain_after", real)
+    assert ck.save(4, state).step == 4  # the error was this one save's
+    ck.close()
+    assert ck._async is None or ck._async._closed
+    assert 3 not in _steps(tmp_path) and 4 in _steps(tmp_path)
 
 
 def test_storage_errors_of_the_pass_stay_in_its_log(

@@ -4,6 +4,8 @@ writes, and any change of structure is planned again."""
 
 from __future__ import annotations
 
+import collections
+import enum
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from ckrun.checkpoint import sharding, st_format
 from ckrun.checkpoint.manifest import Manifest
 from ckrun.checkpoint.process_group import Group
 from ckrun.checkpoint.state import capture
+from ckrun.errors import CheckpointError
 
 
 def _state() -> dict[str, Any]:
@@ -147,6 +150,15 @@ def _names(m: Manifest) -> list[str]:
     return sorted(m.tensor_layout["tensors"])
 
 
+class _Color(str, enum.Enum):
+    """A ``str`` key that formats its own name (``C.RED``), equal to ``"red"``."""
+
+    RED = "red"
+
+    def __format__(self, spec: str) -> str:
+        return f"C.{self.name}"
+
+
 def test_a_change_that_renames_a_tensor_is_planned_again(tmp_path: Path) -> None:
     """The memo's key is where each tensor sits (the encoder's chains, not the names):
     every change below renames a tensor under a dict with other than string keys, and
@@ -159,6 +171,8 @@ def test_a_change_that_renames_a_tensor_is_planned_again(tmp_path: Path) -> None
         {"d": {"s": u, 1.5: t}},  # another non-plain key at that position: same names
         {"d": {"s": u, 2: t}},  # an int key: named by its value
         {"d": {"s": u, "2": t}},  # a string key of the same text: same name, replanned
+        {"d": {"s": u, _Color.RED: t}},  # == "red" but named by its own format: C.RED
+        {"d": {"s": u, "red": t}},  # and back
     ]
     seen: list[list[str]] = []
     with Checkpointer(str(tmp_path / "a"), rng=False, lock=False) as ck:
@@ -173,6 +187,7 @@ def test_a_change_that_renames_a_tensor_is_planned_again(tmp_path: Path) -> None
     assert seen[0] == ["user.d.1", "user.d.s"] and seen[1] == ["user.d.#0", "user.d.s"]
     assert seen[2] == seen[3] == ["user.d.#1", "user.d.s"]
     assert seen[4] == seen[5] == ["user.d.2", "user.d.s"]
+    assert seen[6] == ["user.d.C.RED", "user.d.s"] and seen[7] == ["user.d.red", "user.d.s"]
 
 
 def test_a_snapshot_without_the_encoders_placeholders_is_planned_alike() -> None:
@@ -186,3 +201,24 @@ def test_a_snapshot_without_the_encoders_placeholders_is_planned_alike() -> None
     assert p.tree == q.tree and p.names == q.names and p.nbytes == q.nbytes
     assert p.tree["user"]["a"][1]["items"] == [[3, {"__ckrun__": "global", "name": "user.a.1.3"}]]
     assert p.tree["user"]["a"][0] == {"__ckrun__": "global", "name": "user.a.0"}
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"d": {(1, torch.ones(1)): 1.0}},  # a tensor inside a key
+        {"d": {torch.ones(2): 1.0}},  # a tensor as a key
+    ],
+)
+def test_a_tensor_in_a_dict_key_is_refused_by_name(obj: dict[str, Any]) -> None:
+    """A tensor in a key would have no name in the shard: a clear error naming the dict
+    (before: a KeyError or a zip() ValueError from the plan)."""
+    with pytest.raises(CheckpointError, match=r"^state\.user\.d: a dict key .* holds a tensor"):
+        sharding.plan(fmt.snapshot(capture(obj)), Group(0, 1))
+
+
+def test_an_ordered_dicts_metadata_with_a_tensor_is_refused() -> None:
+    od: Any = collections.OrderedDict(w=torch.ones(1))
+    od._metadata = {"": {"t": torch.zeros(1)}}
+    with pytest.raises(CheckpointError, match=r"^state\.m: .*_metadata"):
+        fmt.snapshot({"m": od})  # the encoder itself (capture keeps a module's metadata)
