@@ -66,14 +66,14 @@ class PlanMemo:
         # the encoder's chains name the tensors (no walk of the tree); a snapshot made
         # otherwise is keyed by the names themselves
         chains = len(snap.chains) == len(snap.tensors)
-        paths = snap.chains if chains else sharding.tensor_paths(snap.tree)
-        key = (limit, chains, paths, [_meta(t) for t in snap.tensors])
+        where = snap.chains if chains else sharding.tensor_paths(snap.tree)
+        key = (limit, chains, where, [_meta(t) for t in snap.tensors])
         memo = self._memo
         if memo is not None and memo[0] == key:
             self.hits += 1
             return sharding.materialize(snap, memo[1], **memo[2])
         self._memo = None  # a failure below leaves no stale memo
-        names = sharding.tensor_paths(snap.tree) if chains else paths
+        names = sharding.tensor_paths(snap.tree) if chains else where
         st = sharding.structure(snap, group, limit, names)
         p = sharding.materialize(snap, st)
         try:

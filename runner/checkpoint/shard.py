@@ -253,7 +253,7 @@ def _key(k: Any, found: _Found, path: Any, copy: bool) -> Any:
 
 def _named_by(j: int, k: Any) -> tuple[Any, ...]:
     """What names a value under the ``j``-th key ``k`` (:mod:`.tree_names`): a string or
-    integer key's type and value, another's position (never compared: a tensor?)."""
+    integer key's type and value; any other key's position alone (never compared)."""
     if isinstance(k, (str, int)) and not isinstance(k, bool):
         return (j, type(k), k)
     return (j,)
