@@ -12,7 +12,9 @@ taken seconds apart on the same shared machine):
             DCP save, DCP async_save pause; ckrun save with each writer forced
             (CKRUN_WRITER=direct, direct:4, writebehind) and as chosen by the probe
     loads : page cache dropped before each: sequential read of the ckrun shard into a
-            reused 64 MiB buffer (the cold read), torch.load(weights_only) into the
+            reused 64 MiB buffer (the cold read), the same after
+            POSIX_FADV_SEQUENTIAL (readahead doubled), O_DIRECT reads with 4 outstanding
+            (the disk's read limit rows), torch.load(weights_only) into the
             model and optimizer, safetensors load_file, ckrun load (verified; format-2
             tensors read straight into the live model and optimizer tensors,
             ckrun.checkpoint.inplace_load)
@@ -28,6 +30,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +58,9 @@ GB = 1e9
 SMALL_SAVES = 8
 GAP_S = 0.05  # seconds of compute between small saves
 DEEP = 4
+LOAD = "ckrun load → model+opt (verified)"
+READAHEAD = "cold read, readahead doubled (FADV_SEQUENTIAL)"
+READ_DEEP = f"O_DIRECT read ({DEEP} outstanding)"
 
 
 def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
@@ -76,6 +82,46 @@ def odirect_deep(path: str, nbytes: int, depth: int = DEEP) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def odirect_read_deep(path: str, depth: int = DEEP) -> int:
+    """O_DIRECT read of the whole file with ``depth`` 8 MiB preads outstanding, each
+    thread into its own reused page-aligned buffer (no page cache, no first touch): the
+    disk's read limit, which no load of the same bytes can beat.  Returns the bytes
+    read."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    piece = 8 << 20
+    size = os.path.getsize(path)
+    local = threading.local()
+
+    def one(off: int) -> int:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = mmap.mmap(-1, piece)
+        return os.preadv(fd, [buf], off)
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        with ThreadPoolExecutor(depth) as pool:
+            return sum(pool.map(one, range(0, size, piece)))
+    finally:
+        os.close(fd)
+
+
+def readahead_read(path: str) -> int:
+    """Sequential read of the whole file into a reused buffer after
+    ``posix_fadvise(POSIX_FADV_SEQUENTIAL)`` (Linux doubles the readahead window): the
+    raw read ckrun's local reads make (ckrun.storage.local_read), without the placement
+    and the CRC32C.  Returns the bytes read."""
+    buf = bytearray(CHUNK)
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while got := f.readinto(buf):
+            n += got
+    return n
 
 
 def writebehind_write(root: str, tensors: list[torch.Tensor]) -> None:
@@ -209,9 +255,11 @@ def loads_round(
     ck = _ck(f"{root}/ck", "auto")
     rows: list[tuple[str, Callable[[], Any]]] = [
         ("cold read (shard → reused buffer)", lambda: cold_read(shard)),
+        (READAHEAD, lambda: readahead_read(shard)),
+        (READ_DEEP, lambda: odirect_read_deep(shard)),
         ("torch.load(weights_only) → model+opt", tload),
         ("safetensors load_file → dict, every page touched", sload),
-        ("ckrun load → model+opt (verified)", lambda: ck.load(state)),
+        (LOAD, lambda: ck.load(state)),
     ]
     turn = rotate % len(rows)  # each round starts with another row: no row always first
     for name, fn in rows[turn:] + rows[:turn]:
@@ -489,17 +537,25 @@ def table(r: dict[str, Any], regime: str) -> str:
     )
     wb = rate["page-cache write-behind + fsync"]
     ck = rate["ckrun save (adaptive)"]
-    ld = rate["ckrun load → model+opt (verified)"]
-    ratios = [
-        ("ckrun save / better of O_DIRECT limit and write-behind", ck / max(od, wb), 0.9),
-        ("ckrun save / torch.save + fsync", ck / rate["torch.save + fsync"], 1.5),
-        ("ckrun save / safetensors + fsync", ck / rate["safetensors save_file + fsync"], None),
-        ("ckrun load / cold read", ld / rate["cold read (shard → reused buffer)"], 1.0),
+    ld = rate[LOAD]
+    cold_key = "cold read (shard → reused buffer)"
+    cold, tl = rate[cold_key], rate["torch.load(weights_only) → model+opt"]
+    ts = rate["torch.save + fsync"]
+    # the disk's limits: the fastest write and the fastest read of the same bytes in
+    # this run, ckrun's included; a ratio target above limit / baseline cannot hold here
+    wlim = max(v for k, v in rate.items() if "write" in k or k.startswith("ckrun save ("))
+    rlim = max(rate[k] for k in (cold_key, READAHEAD, READ_DEEP, LOAD))
+    ratios: list[tuple[str, float, float | None, float | None]] = [
+        ("ckrun save / better of O_DIRECT limit and write-behind", ck / max(od, wb), 0.9, None),
+        ("ckrun save / torch.save + fsync", ck / ts, 1.5, wlim / ts),
         (
-            "ckrun load / torch.load(weights_only)",
-            ld / rate["torch.load(weights_only) → model+opt"],
-            1.5,
+            "ckrun save / safetensors + fsync",
+            ck / rate["safetensors save_file + fsync"],
+            None,
+            None,
         ),
+        ("ckrun load / cold read", ld / cold, 1.0, rlim / cold),
+        ("ckrun load / torch.load(weights_only)", ld / tl, 1.5, rlim / tl),
     ]
     for mb in (1, 40):
         ratios.append(
@@ -507,21 +563,28 @@ def table(r: dict[str, Any], regime: str) -> str:
                 f"small {mb} MB: ckrun save time / torch.save + fsync time",
                 s[f"small {mb} MB: ckrun save"] / s[f"small {mb} MB: torch.save + fsync"],
                 -1.0,
-            )
-        )
-        ratios.append(
-            (
-                f"small {mb} MB: protocol floor (two ordered flushes) / torch.save + fsync",
                 s[f"small {mb} MB: protocol floor"] / s[f"small {mb} MB: torch.save + fsync"],
-                None,
             )
         )
-    lines += ["", "| ratio | measured | target |", "|---|---:|---:|"]
-    for name, v, tgt in ratios:
+    lines += [
+        "",
+        "The disk allows: the best ratio the disk leaves, from the fastest write "
+        f"({wlim:.2f} GB/s) or the fastest read ({rlim:.2f} GB/s) of the same bytes in "
+        "this run, ckrun's included; for the small saves, the protocol floor's time "
+        '(ckrun\'s two ordered flushes in bare system calls).  "beyond the disk": the '
+        "target lies past what the disk allowed in this run.",
+        "",
+        "| ratio | measured | target | the disk allows |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, v, tgt, lim in ratios:
+        allows = "—" if lim is None else f"{lim:.2f}×"
         if tgt is None:
-            lines.append(f"| {name} | {v:.2f}× | — |")
-        elif tgt < 0:
-            lines.append(f"| {name} | {v:.2f}× | ≤ 1.0 {_mark(v <= 1.0)} |")
-        else:
-            lines.append(f"| {name} | {v:.2f}× | ≥ {tgt} {_mark(v >= tgt)} |")
+            lines.append(f"| {name} | {v:.2f}× | — | {allows} |")
+            continue
+        ok = v <= 1.0 if tgt < 0 else v >= tgt
+        beyond = lim is not None and not ok and (lim > 1.0 if tgt < 0 else lim < tgt)
+        mark = _mark(ok) + (" beyond the disk" if beyond else "")
+        shown = "≤ 1.0" if tgt < 0 else f"≥ {tgt}"
+        lines.append(f"| {name} | {v:.2f}× | {shown} {mark} | {allows} |")
     return "\n".join(lines)
