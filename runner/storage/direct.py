@@ -8,7 +8,8 @@ DirectWriter: data is copied into page-aligned staging buffers of :data:`STAGE_B
 more than the writes it keeps outstanding (two at depth 1); writer threads write full
 buffers with ``O_DIRECT`` (DMA from the buffer, no page cache) while the caller fills the
 next one, so the copy overlaps the disk.  Every request carries a whole staging buffer
-whatever the depth: on this project's virtio disk, depth 4 with the 32 MiB of staging
+of 16 MiB up to depth 8 (deeper, the buffers share :data:`MAX_STAGING`): on this
+project's virtio disk, depth 4 with the 32 MiB of staging
 split five ways (6.4 MiB requests) saved 0.28 GB in 1.22× the time of a raw
 O_DIRECT write and 12.8 MiB requests in 1.03×, against 0.86× with 16 MiB requests (8
 interleaved rounds, bench/README.md, nineteenth session).  The copy is a
@@ -41,9 +42,13 @@ CHUNK = 32 << 20  # bytes per O_DIRECT request of an ArenaWriter
 INFLIGHT = 2  # requests an ArenaWriter queues on its I/O thread
 
 
+#: Staging memory of one writer at most (bytes): up to depth 8 every request carries
+#: :data:`STAGE_BYTES`; a deeper writer (``CKRUN_WRITER=direct:N``) shares this much.
+MAX_STAGING = 9 * STAGE_BYTES
+
 _free: dict[int, list[mmap.mmap]] = {}  # staging buffers kept for the next writer, by size
 _free_lock = threading.Lock()
-KEEP_FREE = 5  # buffers of each size kept: a depth-4 writer's (80 MiB of STAGE_BYTES)
+KEEP_FREE = 9  # buffers of each size kept at most (a depth-8 writer's; see keep_free)
 
 
 def _take(size: int, n: int) -> list[mmap.mmap]:
@@ -64,15 +69,29 @@ def _give_back(bufs: list[mmap.mmap]) -> None:
                 pool.append(b)
 
 
+def keep_free(depth: int | None) -> None:
+    """Keep only the free staging buffers a writer of ``depth`` takes (None: none), the
+    most recently used first: after the probe (:mod:`ckrun.storage.probe`) has written
+    with every candidate, the process holds the chosen writer's staging, not the
+    deepest candidate's (a ``writebehind`` choice holds none)."""
+    n = 0 if depth is None else max(1, depth) + 1
+    size = 0 if depth is None else stage_bytes(depth)
+    with _free_lock:
+        for k, pool in _free.items():
+            keep = n if k == size else 0
+            del pool[: max(0, len(pool) - keep)]  # pop() takes from the end: kept
+
+
 def stage_bytes(depth: int) -> int:
     """Bytes of one staging buffer, and of one ``O_DIRECT`` request, of a
-    :class:`DirectWriter` with ``depth`` writes outstanding: :data:`STAGE_BYTES` at every
-    depth (module docstring: smaller requests ran slower).  An object that fits in one
-    is written through the page cache at its commit (:meth:`DirectWriter._write_small`),
-    so a caller that knows the size in advance can open a buffered writer instead and
-    skip the staging copy (:meth:`ckrun.storage.local.LocalStorage.open_unreferenced`)."""
-    del depth  # kept in the signature: the size once shrank with the depth
-    return STAGE_BYTES
+    :class:`DirectWriter` with ``depth`` writes outstanding: :data:`STAGE_BYTES` up to
+    depth 8 (module docstring: smaller requests ran slower), then ``depth + 1`` buffers
+    sharing :data:`MAX_STAGING` (whole blocks).  An object that fits in one is written
+    through the page cache at its commit (:meth:`DirectWriter._write_small`), so a
+    caller that knows the size in advance can open a buffered writer instead and skip
+    the staging copy (:meth:`ckrun.storage.local.LocalStorage.open_unreferenced`)."""
+    share = MAX_STAGING // (max(1, depth) + 1) // BLOCK * BLOCK
+    return max(BLOCK, min(STAGE_BYTES, share))
 
 
 def _address(mv: memoryview) -> int | None:
@@ -91,7 +110,8 @@ class DirectWriter(LocalWriter):
             storage location by :mod:`ckrun.storage.probe`; 1 is the classic double
             buffer (one write in flight while the caller fills the other buffer).
             Staging memory is ``(depth + 1) * STAGE_BYTES``: 32 MiB at depth 1, 80 MiB
-            at depth 4, reused by the next writer.
+            at depth 4, at most :data:`MAX_STAGING` (144 MiB) at any depth, reused by
+            the next writer.
         in_place: an unreferenced object under its final key (:class:`LocalWriter`).
 
     Raises:

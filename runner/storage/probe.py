@@ -17,7 +17,7 @@ reach their first save together share one probe); it is logged at INFO.
 ``CKRUN_WRITER`` overrides the probe: ``direct`` (depth 1), ``direct:N`` (depth N),
 ``writebehind``, ``auto`` (the default: probe).  Measurements: bench/README.md.
 
-The probe writes ``3 × PROBE_BYTES`` (144 MiB) and is run only where its answer is
+The probe writes ``3 × PROBE_BYTES`` (288 MiB) and is run only where its answer is
 worth it: a caller that writes an object every candidate would write through the page
 cache anyway (a small state) passes ``may_probe=False``, and once a preemption notice
 has reached the process (:func:`defer_probes`, called by :mod:`ckrun.control`) no probe
@@ -42,7 +42,10 @@ from ckrun.storage.local_writer import DirectUnsupported
 
 log = logging.getLogger(__name__)
 
-PROBE_BYTES = 48 << 20
+#: Bytes each candidate writes: six of :class:`~ckrun.storage.direct.DirectWriter`'s
+#: 16 MiB requests, so the deep candidate does keep :data:`DEEP` of them outstanding
+#: (48 MiB, three requests, never had more than one in flight).
+PROBE_BYTES = 96 << 20
 DEEP = 4
 _TIE = 0.95
 _lock = threading.Lock()
@@ -205,6 +208,9 @@ def probe(root: str, nbytes: int = PROBE_BYTES) -> WriterChoice:
     if rates[best_direct] >= _TIE * rates[best]:
         best = best_direct
     mode, _, d = best.partition(":")
+    from ckrun.storage.direct import keep_free
+
+    keep_free(int(d or 1) if mode == "direct" else None)  # not the deep candidate's 80 MiB
     return WriterChoice(mode, int(d or 1), "probe", tuple(sorted(rates.items())))
 
 
@@ -218,7 +224,7 @@ _DEFERRED = WriterChoice("direct", 1, "deferred")
 
 
 #: Seconds a process waits for another one's probe of the same machine before it
-#: writes with ``direct:1`` for now (a probe takes 0.3 s on a quiet disk, 15 s at 10 MB/s).
+#: writes with ``direct:1`` for now (a probe takes 0.3 s on a quiet disk, 30 s at 10 MB/s).
 PROBE_WAIT_S = 60.0
 
 

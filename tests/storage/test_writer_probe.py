@@ -62,29 +62,60 @@ def test_every_direct_request_carries_a_whole_staging_buffer_at_any_depth(
     where 16 MiB requests took 0.86x (bench/README.md)."""
     from ckrun.storage import direct as direct_mod
 
-    sizes: list[int] = []
-    real_write, real_pwrite = os.write, os.pwrite
-
-    def write(fd: int, data: memoryview) -> int:
-        sizes.append(len(data))
-        return real_write(fd, data)
-
-    def pwrite(fd: int, data: memoryview, off: int) -> int:
-        sizes.append(len(data))
-        return real_pwrite(fd, data, off)
-
-    monkeypatch.setattr(direct_mod.os, "write", write)  # type: ignore[attr-defined]
-    monkeypatch.setattr(direct_mod.os, "pwrite", pwrite)  # type: ignore[attr-defined]
     st = LocalStorage(str(tmp_path / "run"))
     data = os.urandom((3 * direct_mod.STAGE_BYTES) + 5000)
     w = DirectWriter(st, "obj", depth=depth)
     assert len(w._bufs) == depth + 1
+    fd = w._fd
+    requests: list[tuple[int, int]] = []  # (file offset, bytes) of each request to fd
+    pos = [0]
+    real_write, real_pwrite = os.write, os.pwrite
+
+    def write(f: int, data: memoryview) -> int:
+        n = real_write(f, data)
+        if f == fd:  # depth 1: one thread, in file order
+            requests.append((pos[0], len(data)))
+            pos[0] += n
+        return n
+
+    def pwrite(f: int, data: memoryview, off: int) -> int:
+        if f == fd:  # deeper: several threads, so sorted by offset below
+            requests.append((off, len(data)))
+        return real_pwrite(f, data, off)
+
+    monkeypatch.setattr(direct_mod.os, "write", write)  # type: ignore[attr-defined]
+    monkeypatch.setattr(direct_mod.os, "pwrite", pwrite)  # type: ignore[attr-defined]
     w.write(data)
     w.commit()
+    monkeypatch.undo()
     assert st.get("obj") == data
-    assert sizes[:-1] == [16 << 20] * 3  # whole buffers, then the padded tail
-    assert sizes[-1] == 8192
+    sizes = [n for _, n in sorted(requests)]
+    assert sizes == [16 << 20] * 3 + [8192]  # whole buffers, then the padded tail
     assert stage_bytes(depth) == 16 << 20
+
+
+def test_direct_staging_is_bounded_and_the_probe_keeps_only_its_choice(tmp_path: Path) -> None:
+    """Deeper than 8 (``CKRUN_WRITER=direct:N``), the buffers share MAX_STAGING; after a
+    probe the process keeps the chosen writer's free staging buffers, not the deep
+    candidate's."""
+    from ckrun.storage import direct as direct_mod
+
+    for depth in (1, 4, 8, 16, 32):
+        assert (depth + 1) * stage_bytes(depth) <= direct_mod.MAX_STAGING
+        assert stage_bytes(depth) % direct_mod.BLOCK == 0
+    assert stage_bytes(16) < 16 << 20
+    st = LocalStorage(str(tmp_path / "run"))
+    w = DirectWriter(st, "deep", depth=4)
+    w.write(os.urandom(5 << 20))
+    w.abort()  # its five buffers go back to the pool
+    assert len(direct_mod._free[16 << 20]) >= 5
+    direct_mod.keep_free(1)
+    assert len(direct_mod._free[16 << 20]) == 2
+    direct_mod.keep_free(None)
+    assert direct_mod._free[16 << 20] == []
+    choice = probe.probe(str(tmp_path / "run"), 4 << 20)
+    kept = sum(len(p) for p in direct_mod._free.values())
+    assert kept == (choice.depth + 1 if choice.mode == "direct" else 0)
 
 
 def test_probe_is_remembered_per_location_and_logged(
