@@ -405,3 +405,11 @@ def test_a_wait_for_another_process_probe_that_ends_early_is_not_remembered(
     finally:
         other.release()
     assert st.writer_choice().source == "probe" and calls == [st.root]  # asked again
+
+
+def test_the_probe_gives_the_deep_candidate_enough_requests_to_fill_its_queue() -> None:
+    """The probe's deep candidate is timed with DEEP requests outstanding: each candidate
+    writes at least DEEP + 2 whole staging buffers (the first DEEP + 1 fill the queue,
+    one more is copied while they are in flight).  At 48 MiB, three 16 MiB requests, the
+    deep candidate never had more than one in flight and measured as depth 1."""
+    assert probe.PROBE_BYTES >= (probe.DEEP + 2) * stage_bytes(probe.DEEP)
