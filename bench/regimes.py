@@ -111,17 +111,10 @@ def odirect_read_deep(path: str, depth: int = DEEP) -> int:
 
 
 def readahead_read(path: str) -> int:
-    """Sequential read of the whole file into a reused buffer after
-    ``posix_fadvise(POSIX_FADV_SEQUENTIAL)`` (Linux doubles the readahead window): the
-    raw read ckrun's local reads make (ckrun.storage.local_read), without the placement
-    and the CRC32C.  Returns the bytes read."""
-    buf = bytearray(CHUNK)
-    n = 0
-    with open(path, "rb", buffering=0) as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while got := f.readinto(buf):
-            n += got
-    return n
+    """The cold read after ``posix_fadvise(POSIX_FADV_SEQUENTIAL)``: the raw read ckrun's
+    local reads make (ckrun.storage.local_read), without the placement and the CRC32C.
+    Returns the bytes read."""
+    return cold_read(path, sequential=True)
 
 
 def writebehind_write(root: str, tensors: list[torch.Tensor]) -> None:
