@@ -12,6 +12,14 @@ deletes, must not collect the shard a new owner is writing: on local storage tha
 is written under its final key before its manifest, issue 19).
 Only keys :func:`ckrun.checkpoint.layout.parse` recognises are ever deleted.
 
+The deletes flush nothing of their own (:func:`ckrun.storage.base.lazy_delete`; issue
+19, bench/README.md "Twentieth session"): they become durable with the next save's
+flush.  A crash before it brings the deleted checkpoints back whole on ext4 and xfs,
+whose journals keep the deletes' order; where a filesystem does not keep it, an old
+manifest may come back without its shards: a load finds it unusable and the next pass
+deletes it.  Nothing the pass keeps is touched, and a pass runs only after its commit
+is durable.
+
 A writer that retains after every save keeps a :class:`Ledger` (issue 19, small frequent
 saves): after one full pass (list, parse every manifest, collect orphans, sweep temp
 files) it knows the area's committed checkpoints, adds each manifest it commits, and the
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field
 from ckrun.checkpoint import layout
 from ckrun.checkpoint.discovery import scan
 from ckrun.checkpoint.manifest import Manifest, ManifestKind
-from ckrun.storage.base import Storage
+from ckrun.storage.base import Storage, lazy_delete
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +192,7 @@ def apply(
         False when ``stop`` cut the pass short.
     """
     retire = getattr(storage, "retire", None)
-    delete = retire if callable(retire) else storage.delete
+    delete = retire if callable(retire) else lazy_delete(storage)
     if p.manifests:
         delete(p.manifests)
     if stop is not None and stop():

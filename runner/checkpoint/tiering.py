@@ -43,7 +43,7 @@ from ckrun.checkpoint.manifest import Manifest, ManifestKind, ShardInfo
 
 from .. import control
 from ..errors import ConfigError, ObjectExists, ObjectNotFound, StorageError
-from ..storage.base import ObjectInfo, ObjectWriter, RangeReader, ReadsInOrder, Storage
+from ..storage.base import ObjectInfo, ObjectWriter, RangeReader, ReadsInOrder, Storage, lazy_delete
 from . import layout, tiering_util
 from .tiering_upload import CHUNK, copy_shard, retain_remote
 from .tiering_util import HookedWriter, Pins, UploadPolicy, upload_keys
@@ -99,7 +99,8 @@ class TieredStorage:
         self._ordinal = 0
         self._jobs: deque[tuple[str, Any]] = deque()
         self._busy = 0
-        self._pins = Pins(local.delete)  # the running upload's files stay until read
+        # retire(): the running upload's files stay until read; no flush (lazy_delete)
+        self._pins = Pins(lazy_delete(local))
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         from .lease import Fence

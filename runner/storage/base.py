@@ -27,6 +27,9 @@ protocol relies on:
   retention (orphaned shards) ever deletes it;
 * optional, :class:`ReadsInOrder` (local storage; issue 19): ranges of one object read
   through one handle in file order, for readers of many pieces;
+* optional, :class:`DeletesLazily` (local storage; issue 19): a delete that flushes
+  nothing of its own, durable with the storage's next flush (:func:`lazy_delete`), for
+  deletes whose loss to a crash is harmless (retention);
 * keys are relative POSIX paths (``a/b/c``); :func:`validate_key` rejects absolute keys,
   ``..``, empty components and backslashes, so a manifest cannot name a file outside the
   run.
@@ -239,6 +242,36 @@ def publishes_after(cls: type) -> bool:
     per class: on Python 3.11 an ``isinstance`` against a runtime Protocol lists the
     protocol's members again on every call (20-40 µs on each small save, issue 19)."""
     return issubclass(cls, PublishesAfter)
+
+
+@runtime_checkable
+class DeletesLazily(Protocol):
+    """Optional capability of a :class:`Storage`: deletes without a flush of their own.
+
+    :meth:`Storage.delete` returns once the deletion is durable (local: the directories
+    fsynced, one journal commit and one device cache flush each time).  A retention pass
+    after every save does not need that: a deletion lost to a crash brings back an old
+    checkpoint, or leaves a file the next pass deletes again.  Its flushes are pure cost,
+    and on a busy or virtual disk they delay the saves next to them (bench/README.md,
+    "Twentieth session").
+    """
+
+    def delete_lazily(self, keys: Iterable[str]) -> None:
+        """As :meth:`Storage.delete`, visible at once, durable only with the storage's
+        next flush (local: the next fsync that commits the filesystem's journal, at the
+        latest its commit interval).
+
+        Raises:
+            StorageError: a key could not be deleted (as :meth:`Storage.delete`).
+        """
+        ...
+
+
+def lazy_delete(storage: Storage) -> Callable[[Iterable[str]], None]:
+    """``storage``'s :meth:`DeletesLazily.delete_lazily` where it offers one, else its
+    :meth:`Storage.delete`."""
+    lazily = storage.delete_lazily if isinstance(storage, DeletesLazily) else None
+    return lazily or storage.delete
 
 
 class RangeReader(Protocol):

@@ -14,7 +14,8 @@ file, no rename) and is not fsynced at its commit; :meth:`LocalStorage.put_after
 writes the manifest naming it, fsyncs the shard, its directory, the parents of new
 directories and the manifest's temp file all at once (independent durability points, one
 journal commit), and only then links the manifest and fsyncs its directory.  A save thus
-waits for two ordered flushes instead of four.
+waits for two ordered flushes instead of four.  Retention's deletes flush nothing of
+their own (:meth:`LocalStorage.delete_lazily`): they ride on the next save's flush.
 
 Streaming writes (:meth:`LocalStorage.open_write`, checkpoint shards) go through
 ``O_DIRECT`` staging buffers (:mod:`ckrun.storage.direct`) or, where that is refused
@@ -36,13 +37,13 @@ from ckrun.errors import map_os_error
 from ckrun.storage import probe
 from ckrun.storage.base import ObjectInfo, ObjectWriter
 from ckrun.storage.direct import ArenaWriter, DirectWriter, stage_bytes
+from ckrun.storage.local_delete import sweep_temp, unlink_all
 from ckrun.storage.local_read import LocalRanges, read_error
 from ckrun.storage.local_writer import (
     TEMP_PREFIX,
     WRITE_BEHIND_BYTES,
     DirectUnsupported,
     LocalWriter,
-    fsync_dir,
     object_path,
     read_versioned,
 )
@@ -333,30 +334,22 @@ class LocalStorage:
                 out.append(ObjectInfo(key, st.st_size, st.st_mtime))
 
     def delete(self, keys: Iterable[str]) -> None:
-        """Unlink ``keys`` (missing ones ignored), fsync their directories, and remove
-        directories left empty (never the root)."""
-        dirs: set[str] = set()
-        for key in keys:
-            p = self._path(key)
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                raise map_os_error(e, path=p) from e
-            dirs.add(os.path.dirname(p))
-        for d in sorted(dirs, key=len, reverse=True):
-            self._prune(d)
+        """Unlink ``keys`` (missing ones ignored), remove directories left empty (never
+        the root) and fsync the first one left standing: durable on return.
 
-    def _prune(self, d: str) -> None:
-        while d != self.root and d.startswith(self.root + os.sep):
-            try:
-                os.rmdir(d)
-            except OSError:
-                _fsync_dir_quiet(d)
-                return
-            d = os.path.dirname(d)
-        _fsync_dir_quiet(d)
+        Raises:
+            StorageError: a key could not be unlinked.
+        """
+        unlink_all(self.root, map(self._path, keys), sync=True)
+
+    def delete_lazily(self, keys: Iterable[str]) -> None:
+        """:meth:`delete` without its fsync (:class:`~ckrun.storage.base.DeletesLazily`;
+        durable with the next journal commit: :mod:`ckrun.storage.local_delete`).
+
+        Raises:
+            StorageError: a key could not be unlinked.
+        """
+        unlink_all(self.root, map(self._path, keys), sync=False)
 
     def sweep_temp(self, prefix: str = "", min_age_s: float = 900.0) -> builtins.list[str]:
         """Remove temp files of killed writers under ``prefix`` (not a Storage method).
@@ -369,32 +362,11 @@ class LocalStorage:
         Returns:
             The paths removed, relative to the root.
         """
-        removed: builtins.list[str] = []
-        now = time.time()
-        mine = f"{TEMP_PREFIX}{os.getpid()}-"
         top = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
-        for dirpath, _dirs, files in os.walk(top):
-            for name in files:
-                if not name.startswith(TEMP_PREFIX) or name.startswith(mine):
-                    continue
-                p = os.path.join(dirpath, name)
-                try:
-                    if now - os.stat(p).st_mtime >= min_age_s:
-                        os.unlink(p)
-                        removed.append(os.path.relpath(p, self.root))
-                except OSError:
-                    continue
-        return removed
+        return sweep_temp(self.root, top, min_age_s)
 
 
 def _is_regular(mode: int) -> bool:
     import stat
 
     return stat.S_ISREG(mode)
-
-
-def _fsync_dir_quiet(d: str) -> None:
-    try:
-        fsync_dir(d)
-    except OSError:
-        pass

@@ -281,3 +281,29 @@ def test_a_notice_during_a_retention_pass_stops_it_between_deletes(tmp_path: Pat
     assert retention.apply(st, p, stop=lambda: True) is False
     left = {k for k in _left(st) if "step-0000000002" in k}
     assert left == set(p.shards) and left  # the manifest went; its shards wait for a full pass
+
+
+def test_an_old_manifest_back_without_its_shards_is_skipped_and_deleted(
+    tmp_path: Path,
+) -> None:
+    """Retention's deletes flush nothing of their own (issue 19), so on a filesystem
+    that does not keep the order of metadata operations across a crash, an old
+    manifest may come back without its shards.  A load never picks it over the newer
+    committed checkpoint, and the next writer's first (full) pass deletes it."""
+    st = LocalStorage(str(tmp_path))
+    ck = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=3)
+    shards = {}
+    for step in (1, 2, 3):
+        shards[step] = ck.save(step, {"w": torch.full((4,), float(step))}).shards[0].key
+    ck.close()
+    (tmp_path / shards[1]).unlink()  # the crash kept the shard's delete, not the manifest's
+    ck2 = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=2)
+    state = {"w": torch.zeros(4)}
+    loaded = ck2.load(state)
+    assert (
+        loaded is not None and loaded.step == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
+    )
+    ck2.save(4, state)
+    ck2.close()  # joins its pass
+    assert _steps(str(tmp_path)) == [3, 4]
+    assert not any("/step-0000000001/" in k for k in _left(st))

@@ -16,8 +16,9 @@ from pathlib import Path
 import ckrun
 import pytest
 import torch
-from ckrun.checkpoint import layout
+from ckrun.checkpoint import discovery, layout, pipeline
 from ckrun.storage import local_writer
+from ckrun.storage.base import lazy_delete
 from ckrun.storage.local import LocalStorage
 
 
@@ -259,3 +260,61 @@ def test_a_child_forked_while_the_fsync_crew_starts_gets_its_own(
     code = reap_child(pid)
     assert code is not None, "the forked child hung on the copied lock of the fsync crew"
     assert code == 0
+
+
+def test_a_retention_pass_flushes_nothing_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 (small saves every few steps): each retention pass fsynced the step
+    directory after the manifest's unlink and the area after the shard's unlink and the
+    ``rmdir``: two journal commits and two device cache flushes per save beside the
+    save's own two.  On the loop-device disk they made the next saves wait (bench/README.md,
+    "Twentieth session").  The pass now fsyncs nothing: its deletes are visible at once
+    and ride on the next save's flush.  The next save still makes exactly its own five
+    concurrent fsyncs and the step directory's (test above)."""
+    by_thread: list[tuple[str, str]] = []
+    real = os.fsync
+
+    def rec(fd: int) -> None:
+        p = os.readlink(f"/proc/self/fd/{fd}")
+        by_thread.append((threading.current_thread().name, _name(p, tmp_path)))
+        real(fd)
+
+    monkeypatch.setattr(local_writer.os, "fsync", rec)  # type: ignore[attr-defined]
+    ck = ckrun.Checkpointer(str(tmp_path), rng=False, lock=False, keep_last=1)
+    state = {"w": torch.arange(1000.0)}
+    m1 = ck.save(1, state)
+    ck.save(2, state)  # its pass deletes step 1 on the retention thread
+    pipeline.wait_retention(ck._ctx)
+    retention_fsyncs = [p for t, p in by_thread if t.startswith("ckrun-retention")]
+    assert retention_fsyncs == [], retention_fsyncs
+    assert not (tmp_path / layout.manifest_key(1)).exists()
+    assert not (tmp_path / m1.shards[0].key).parent.exists()  # its directory went too
+    assert [m.step for m in discovery.committed(ck.storage)] == [2]
+    ck.close()
+
+
+def test_delete_is_durable_on_return_and_delete_lazily_flushes_nothing(
+    tmp_path: Path, fsynced: list[str]
+) -> None:
+    """``delete`` keeps the storage contract's durable delete (a withdrawn manifest):
+    the first directory left standing is fsynced.  ``delete_lazily`` removes the same
+    files and empty directories, never the root, and fsyncs nothing; retention is its
+    only user (``lazy_delete``)."""
+    st = LocalStorage(str(tmp_path), direct=False)
+    for k in ("a/b/x", "a/b/y", "c/z"):
+        st.put(k, b"1")
+    fsynced.clear()
+    st.delete(["a/b/x", "a/b/y", "missing/key"])
+    assert [_name(p, tmp_path) for p in fsynced] == ["."]  # a/b and a removed, root kept
+    assert not (tmp_path / "a").exists() and (tmp_path / "c" / "z").exists()
+    fsynced.clear()
+    st.delete_lazily(["c/z"])
+    assert fsynced == [] and not (tmp_path / "c").exists() and tmp_path.is_dir()
+    assert lazy_delete(st) == st.delete_lazily
+
+    class Plain:  # a storage without the capability (S3): its own delete
+        def delete(self, keys: object) -> None: ...
+
+    plain = Plain()
+    assert lazy_delete(plain) == plain.delete  # type: ignore[arg-type]
