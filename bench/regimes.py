@@ -20,9 +20,10 @@ taken seconds apart on the same shared machine):
             ckrun.checkpoint.inplace_load)
     small : 1 MB and 40 MB states (and a 2.6 MB state of 800 tensors, a small model's
             shape) saved ``SMALL_SAVES`` times with ``GAP_S`` of compute
-            between saves (retention keep_last=3 deleting): median seconds of the save
-            call, torch.save + fsync, ckrun save, and the protocol floor (ckrun's commit
-            sequence in bare system calls, :func:`protocol_floor`)
+            before each save (retention keep_last=3 deleting): median seconds of the
+            save call, torch.save + fsync, ckrun save, and the protocol floor (ckrun's
+            commit sequence in bare system calls, :func:`protocol_floor`), interleaved
+            save by save
 """
 
 from __future__ import annotations
@@ -338,10 +339,18 @@ def _small_states() -> list[tuple[str, dict[str, Any], Callable[[], Any], list[t
 
 
 def small_saves(root: str, out: dict[str, list[float]]) -> None:
-    """The small states (:func:`_small_states`) saved ``SMALL_SAVES`` times, "every few
-    steps": a training step's worth of matmuls (about ``GAP_S``) runs between saves, and
-    the figure is the median time of the save call itself (what the training loop waits
-    for); ckrun's retention pass of the previous save overlaps that step."""
+    """The small states (:func:`_small_states`) saved ``SMALL_SAVES`` times each way,
+    "every few steps": a training step's worth of matmuls (about ``GAP_S``) runs before
+    every save, and the figure is the median time of the save call itself (what the
+    training loop waits for); ckrun's retention pass of its previous save overlaps the
+    steps after it.  The three ways (torch.save + fsync, ckrun, the protocol floor) are
+    interleaved save by save, each save in turn led by another one: this VM's disk has
+    slow periods of a second or more, in which every small save takes several times
+    longer (the loop-device disk's rows went from 2 to 8 ms and back for all three at
+    once; bench/README.md, "Twentieth session"), and blocks of one way's saves let a
+    period fall on one of them alone.  Each way's deletes (ckrun's retention, the
+    floor's old steps, torch.save's truncation) are flushed by whichever save comes next,
+    as they were by its own next save before."""
     from concurrent.futures import ThreadPoolExecutor
 
     g = torch.Generator().manual_seed(0)
@@ -353,23 +362,41 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
             a @ a
 
     for label, state, payload, floor_tensors in _small_states():
-        ts = []
-        for _ in range(SMALL_SAVES):
-            step()
-            t = time.perf_counter()
+        ck = _ck(f"{root}/small-ck", "auto", keep_last=3)
+        bufs = [memoryview(t.reshape(-1).numpy()).cast("B") for t in floor_tensors]
+        os.makedirs(f"{root}/floor")
+
+        def tsave(i: int, payload: Callable[[], Any] = payload) -> None:
             with open(f"{root}/small.pt", "wb") as f:
                 torch.save(payload(), f)
                 f.flush()
                 os.fsync(f.fileno())
-            ts.append(time.perf_counter() - t)
-        out.setdefault(f"small {label}: torch.save + fsync", []).append(statistics.median(ts))
-        ck = _ck(f"{root}/small-ck", "auto", keep_last=3)
-        ts = []
-        for s in range(1, SMALL_SAVES + 1):
-            step()
-            t = time.perf_counter()
-            ck.save(s, state)
-            ts.append(time.perf_counter() - t)
+
+        def cksave(i: int, ck: ckrun.Checkpointer = ck, state: Any = state) -> None:
+            ck.save(i, state)
+
+        times: dict[str, list[float]] = {}
+        with ThreadPoolExecutor(3) as pool:
+
+            def fsave(i: int, bufs: list[memoryview] = bufs) -> None:
+                protocol_floor(root, i, bufs, pool)
+
+            ways = [
+                ("torch.save + fsync", tsave),
+                ("ckrun save", cksave),
+                ("protocol floor", fsave),
+            ]
+            for i in range(1, SMALL_SAVES + 1):
+                turn = i % len(ways)  # each save in turn led by another way
+                for name, fn in ways[turn:] + ways[:turn]:
+                    step()
+                    t = time.perf_counter()
+                    fn(i)
+                    times.setdefault(name, []).append(time.perf_counter() - t)
+                if i > 3:  # keep the last 3, as the ckrun rows (outside the timing)
+                    _rm(f"{root}/floor/step-{i - 3:08d}")
+        for name, ts in times.items():
+            out.setdefault(f"small {label}: {name}", []).append(statistics.median(ts))
         # ckrun's work before its first write (capture and plan, no I/O; these rows save
         # no RNG state), right after the step as in the save, and again at once (hot):
         # what the save's code costs cache-cold here (bench/README.md, "Seventeenth session")
@@ -383,23 +410,10 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
             cold.append(t1 - t)
             hot.append(time.perf_counter() - t1)
         ck.close()
-        out.setdefault(f"small {label}: ckrun save", []).append(statistics.median(ts))
         out.setdefault(f"small {label}: snapshot after step", []).append(statistics.median(cold))
         out.setdefault(f"small {label}: snapshot hot", []).append(statistics.median(hot))
         _rm(f"{root}/small-ck")
         _rm(f"{root}/small.pt")
-        bufs = [memoryview(t.reshape(-1).numpy()).cast("B") for t in floor_tensors]
-        os.makedirs(f"{root}/floor")
-        ts = []
-        with ThreadPoolExecutor(3) as pool:
-            for i in range(SMALL_SAVES):
-                step()
-                t = time.perf_counter()
-                protocol_floor(root, i, bufs, pool)
-                ts.append(time.perf_counter() - t)
-                if i >= 3:  # keep the last 3, as the ckrun rows (outside the timing)
-                    _rm(f"{root}/floor/step-{i - 3:08d}")
-        out.setdefault(f"small {label}: protocol floor", []).append(statistics.median(ts))
         _rm(f"{root}/floor")
 
 
