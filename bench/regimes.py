@@ -22,8 +22,8 @@ taken seconds apart on the same shared machine):
             shape) saved ``SMALL_SAVES`` times with ``GAP_S`` of compute
             before each save (retention keep_last=3 deleting): median seconds of the
             save call, torch.save + fsync, ckrun save, and the protocol floor (ckrun's
-            commit sequence in bare system calls, :func:`protocol_floor`), interleaved
-            save by save
+            commit sequence in bare system calls, :func:`protocol_floor`), taking turns
+            of two saves (the second timed)
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from ckrun.storage.local import LocalStorage
 from ckrun.storage.local_writer import LocalWriter
 
 GB = 1e9
-SMALL_SAVES = 8
+SMALL_SAVES = 9  # timed saves per way and state in a round: three turns led by each
 GAP_S = 0.05  # seconds of compute between small saves
 DEEP = 4
 LOAD = "ckrun load → model+opt (verified)"
@@ -339,18 +339,19 @@ def _small_states() -> list[tuple[str, dict[str, Any], Callable[[], Any], list[t
 
 
 def small_saves(root: str, out: dict[str, list[float]]) -> None:
-    """The small states (:func:`_small_states`) saved ``SMALL_SAVES`` times each way,
-    "every few steps": a training step's worth of matmuls (about ``GAP_S``) runs before
-    every save, and the figure is the median time of the save call itself (what the
-    training loop waits for); ckrun's retention pass of its previous save overlaps the
-    steps after it.  The three ways (torch.save + fsync, ckrun, the protocol floor) are
-    interleaved save by save, each save in turn led by another one: this VM's disk has
-    slow periods of a second or more, in which every small save takes several times
-    longer (the loop-device disk's rows went from 2 to 8 ms and back for all three at
-    once; bench/README.md, "Twentieth session"), and blocks of one way's saves let a
-    period fall on one of them alone.  Each way's deletes (ckrun's retention, the
-    floor's old steps, torch.save's truncation) are flushed by whichever save comes next,
-    as they were by its own next save before."""
+    """The small states (:func:`_small_states`) saved ``SMALL_SAVES`` timed times each
+    way, "every few steps": a training step's worth of matmuls (about ``GAP_S``) runs
+    before every save, and the figure is the median time of the save call itself (what
+    the training loop waits for).  The three ways (torch.save + fsync, ckrun, the
+    protocol floor) take turns, each turn led by another way: this VM's disk has slow
+    periods of a second or more in which every small save takes several times longer
+    (the loop-device disk's rows went from 2 to 8 ms and back for all three at once;
+    bench/README.md, "Twentieth session"), and blocks of one way's saves let a period
+    fall on one of them alone.  A turn is two saves of one way, the second timed, so
+    the timed save carries its own way's deletes and no other's: ckrun's retention pass
+    of the first save and the floor's removal of an old step run during the step
+    between them, unflushed, as in a training loop that saves every few steps;
+    torch.save truncates its file inside its own timed call."""
     from concurrent.futures import ThreadPoolExecutor
 
     g = torch.Generator().manual_seed(0)
@@ -386,15 +387,17 @@ def small_saves(root: str, out: dict[str, list[float]]) -> None:
                 ("ckrun save", cksave),
                 ("protocol floor", fsave),
             ]
-            for i in range(1, SMALL_SAVES + 1):
-                turn = i % len(ways)  # each save in turn led by another way
+            for i in range(SMALL_SAVES):
+                turn = i % len(ways)  # each turn led by another way
                 for name, fn in ways[turn:] + ways[:turn]:
-                    step()
-                    t = time.perf_counter()
-                    fn(i)
-                    times.setdefault(name, []).append(time.perf_counter() - t)
-                if i > 3:  # keep the last 3, as the ckrun rows (outside the timing)
-                    _rm(f"{root}/floor/step-{i - 3:08d}")
+                    for j in (2 * i + 1, 2 * i + 2):  # the second save is timed
+                        step()
+                        t = time.perf_counter()
+                        fn(j)
+                        if j % 2 == 0:
+                            times.setdefault(name, []).append(time.perf_counter() - t)
+                        if name == "protocol floor" and j > 3:  # keep 3, as ckrun does
+                            _rm(f"{root}/floor/step-{j - 3:08d}")
         for name, ts in times.items():
             out.setdefault(f"small {label}: {name}", []).append(statistics.median(ts))
         # ckrun's work before its first write (capture and plan, no I/O; these rows save
@@ -440,8 +443,10 @@ def small_table(r: dict[str, Any], regime: str) -> str:
     lines = [
         f"### {regime}",
         "",
-        f"torch {torch.__version__}, {SMALL_SAVES} saves per round with {GAP_S * 1e3:g} ms "
-        f"of compute between them, median per round, median of {r['repeats']} rounds",
+        f"torch {torch.__version__}, {SMALL_SAVES} timed saves per way and round, each "
+        f"right after an untimed one of the same way, {GAP_S * 1e3:g} ms of compute "
+        f"before every save, the ways taking turns; median per round, median of "
+        f"{r['repeats']} rounds",
         "",
         "| state | torch.save + fsync (s) | ckrun save (s) | ratio | target | protocol "
         "floor (s) | floor / torch.save + fsync | ckrun / floor | ckrun's snapshot after "

@@ -369,9 +369,10 @@ def retain(ctx: CommitContext, m: Manifest) -> None:
     if ctx.rank != 0:
         return
     if m.kind != ManifestKind.FINAL and notice_pending():
-        # deletes can wait: a notice's save and exit must not wait for their directory
-        # fsyncs (seconds on a busy disk); the next attempt retains when it loads (a full
-        # pass: its ledger is new), and nothing is lost by keeping more checkpoints
+        # deletes can wait: a notice's save and exit must not wait for their unlinks
+        # (big shards' extents freed) nor carry their journal blocks in the emergency
+        # save's commit; the next attempt retains when it loads (a full pass: its ledger
+        # is new), and nothing is lost by keeping more checkpoints
         log.info("retention after step %d left to the next attempt: a notice is pending", m.step)
         return
     try:

@@ -13,12 +13,15 @@ is written under its final key before its manifest, issue 19).
 Only keys :func:`ckrun.checkpoint.layout.parse` recognises are ever deleted.
 
 The deletes flush nothing of their own (:func:`ckrun.storage.base.lazy_delete`; issue
-19, bench/README.md "Twentieth session"): they become durable with the next save's
-flush.  A crash before it brings the deleted checkpoints back whole on ext4 and xfs,
-whose journals keep the deletes' order; where a filesystem does not keep it, an old
-manifest may come back without its shards: a load finds it unusable and the next pass
-deletes it.  Nothing the pass keeps is touched, and a pass runs only after its commit
-is durable.
+19, bench/README.md "Twentieth session"): on ext4 and xfs they become durable with the
+next save's flush.  A crash before it brings a deleted checkpoint back whole, or as
+shards without their manifest (orphans, collected by the next full pass): those
+journals keep the deletes' order.  Where a filesystem does not keep it, an old manifest
+may come back without its shards: a load reaches it only when every newer checkpoint
+fails, finds it unusable, and the next pass deletes it while the settings still
+exclude it (a run restarted with a larger ``keep_last`` keeps it, listed as damaged by
+``ckrun ls``, until it ages out).  Nothing the pass keeps is touched, and a pass runs
+only after its commit is durable.
 
 A writer that retains after every save keeps a :class:`Ledger` (issue 19, small frequent
 saves): after one full pass (list, parse every manifest, collect orphans, sweep temp

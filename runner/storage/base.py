@@ -28,8 +28,8 @@ protocol relies on:
 * optional, :class:`ReadsInOrder` (local storage; issue 19): ranges of one object read
   through one handle in file order, for readers of many pieces;
 * optional, :class:`DeletesLazily` (local storage; issue 19): a delete that flushes
-  nothing of its own, durable with the storage's next flush (:func:`lazy_delete`), for
-  deletes whose loss to a crash is harmless (retention);
+  nothing of its own, durable with the filesystem's next commit (:func:`lazy_delete`),
+  for deletes whose loss to a crash is harmless (retention);
 * keys are relative POSIX paths (``a/b/c``); :func:`validate_key` rejects absolute keys,
   ``..``, empty components and backslashes, so a manifest cannot name a file outside the
   run.
@@ -177,7 +177,10 @@ class Storage(Protocol):
         ...
 
     def delete(self, keys: Iterable[str]) -> None:
-        """Delete ``keys``; missing keys are ignored (idempotent)."""
+        """Delete ``keys``; missing keys are ignored (idempotent).  Durable on return
+        where the backend makes it so: S3 once the DELETE returned; local once the
+        directory is fsynced (a failed directory fsync is not raised: the unlinks are
+        done).  :class:`DeletesLazily` is the variant without the flush."""
         ...
 
 
@@ -248,18 +251,21 @@ def publishes_after(cls: type) -> bool:
 class DeletesLazily(Protocol):
     """Optional capability of a :class:`Storage`: deletes without a flush of their own.
 
-    :meth:`Storage.delete` returns once the deletion is durable (local: the directories
+    :meth:`Storage.delete` returns once the deletion is durable (local: the directory
     fsynced, one journal commit and one device cache flush each time).  A retention pass
     after every save does not need that: a deletion lost to a crash brings back an old
     checkpoint, or leaves a file the next pass deletes again.  Its flushes are pure cost,
     and on a busy or virtual disk they delay the saves next to them (bench/README.md,
-    "Twentieth session").
+    "Twentieth session").  A storage that overrides ``delete`` (to audit or inject
+    faults) keeps seeing every delete: local storage's ``delete_lazily`` calls such an
+    override; a wrapper that delegates attributes to another storage must define
+    ``delete_lazily`` itself.
     """
 
     def delete_lazily(self, keys: Iterable[str]) -> None:
         """As :meth:`Storage.delete`, visible at once, durable only with the storage's
-        next flush (local: the next fsync that commits the filesystem's journal, at the
-        latest its commit interval).
+        next flush (local, ext4 and xfs: the next fsync, which commits the whole journal;
+        other filesystems: their next commit, at the latest their commit interval).
 
         Raises:
             StorageError: a key could not be deleted (as :meth:`Storage.delete`).
@@ -270,8 +276,7 @@ class DeletesLazily(Protocol):
 def lazy_delete(storage: Storage) -> Callable[[Iterable[str]], None]:
     """``storage``'s :meth:`DeletesLazily.delete_lazily` where it offers one, else its
     :meth:`Storage.delete`."""
-    lazily = storage.delete_lazily if isinstance(storage, DeletesLazily) else None
-    return lazily or storage.delete
+    return storage.delete_lazily if isinstance(storage, DeletesLazily) else storage.delete
 
 
 class RangeReader(Protocol):

@@ -5,9 +5,11 @@ A durable delete (:meth:`~ckrun.storage.local.LocalStorage.delete`, the storage
 contract's) fsyncs the first directory left standing: one journal commit and one device
 cache flush.  A lazy one (:meth:`~ckrun.storage.local.LocalStorage.delete_lazily`,
 :class:`ckrun.storage.base.DeletesLazily`; retention) does not: its unlinks and
-``rmdir`` s are visible at once and durable with the filesystem's next journal commit
-(the next save's fsync, at the latest the commit interval: 5 s on ext4).  ext4 and xfs
-journal metadata operations in order, so after a crash a prefix of them holds.  Space
+directory removals are visible at once and durable with the filesystem's next journal
+commit (on ext4 and xfs the next save's fsync, which commits the whole journal, at the
+latest the commit interval: 5 s on ext4; btrfs commits its unlinks at its own interval,
+30 s).  ext4 and xfs journal metadata operations in order, so after a crash a prefix of
+them holds.  Space
 freed lazily is reused once that commit is made; both filesystems force the commit
 when an allocation would fail otherwise (ext4 ``ext4_should_retry_alloc``, xfs busy
 extents).  Measured: two flushes fewer per retention pass, and on the benchmark's

@@ -383,11 +383,11 @@ def test_retention_runs_after_the_commit_off_the_save_return(run_dir: Path) -> N
     deleted: list[list[str]] = []
 
     class SlowDelete(LocalStorage):
-        def delete_lazily(self, keys: Any) -> None:  # retention's delete (no flush)
+        def delete(self, keys: Any) -> None:
             keys = list(keys)
             entered.set()
             release.wait()
-            super().delete_lazily(keys)
+            super().delete(keys)
             deleted.append(keys)
 
     s = make_state()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 from ckrun.checkpoint import layout, pipeline, retention
 from ckrun.checkpoint.lease import EPOCH_ENV, Lease
+from ckrun.errors import NoUsableCheckpoint
 from ckrun.storage.local import LocalStorage
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -287,22 +289,37 @@ def test_an_old_manifest_back_without_its_shards_is_skipped_and_deleted(
     tmp_path: Path,
 ) -> None:
     """Retention's deletes flush nothing of their own (issue 19), so on a filesystem
-    that does not keep the order of metadata operations across a crash, an old
-    manifest may come back without its shards.  A load never picks it over the newer
-    committed checkpoint, and the next writer's first (full) pass deletes it."""
+    that does not keep the order of metadata operations across a crash, the manifest a
+    pass deleted may come back without its shards.  Here the pass after step 3 deleted
+    step 1 and the crash kept only the shard's delete.  A load takes step 3; a load
+    that finds every newer checkpoint damaged finds this one unusable too and refuses
+    (it never starts from it); the next writer's first (full) pass, same settings,
+    deletes it.  (Documents the argument in retention.py; it held before the change.)"""
     st = LocalStorage(str(tmp_path))
-    ck = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=3)
-    shards = {}
-    for step in (1, 2, 3):
-        shards[step] = ck.save(step, {"w": torch.full((4,), float(step))}).shards[0].key
+    ck = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=2)
+    ck.save(1, {"w": torch.full((4,), 1.0)})
+    man1 = (tmp_path / layout.manifest_key(1)).read_bytes()
+    ck.save(2, {"w": torch.full((4,), 2.0)})
+    m3 = ck.save(3, {"w": torch.full((4,), 3.0)})  # its pass deletes step 1
     ck.close()
-    (tmp_path / shards[1]).unlink()  # the crash kept the shard's delete, not the manifest's
+    assert _steps(str(tmp_path)) == [2, 3]
+    (tmp_path / layout.manifest_key(1)).parent.mkdir()
+    (tmp_path / layout.manifest_key(1)).write_bytes(man1)  # the lost unlink
+    assert _steps(str(tmp_path)) == [1, 2, 3]
+
+    damaged = tmp_path.parent / "damaged"  # a copy whose newer checkpoints are broken
+    shutil.copytree(tmp_path, damaged)
+    for step in (2, 3):
+        for f in (damaged / layout.manifest_key(step)).parent.glob("*.ckpt"):
+            f.unlink()
+    with pytest.raises(NoUsableCheckpoint, match="step 1"):
+        ckrun.Checkpointer(str(damaged), rng=False, lock=False).load({"w": torch.zeros(4)})
+
     ck2 = ckrun.Checkpointer(storage=st, rng=False, lock=False, keep_last=2)
     state = {"w": torch.zeros(4)}
     loaded = ck2.load(state)
-    assert (
-        loaded is not None and loaded.step == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
-    )
+    assert loaded is not None and loaded.step == m3.step == 3
+    assert torch.equal(state["w"], torch.full((4,), 3.0))
     ck2.save(4, state)
     ck2.close()  # joins its pass
     assert _steps(str(tmp_path)) == [3, 4]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import ckrun
@@ -299,8 +299,9 @@ def test_delete_is_durable_on_return_and_delete_lazily_flushes_nothing(
 ) -> None:
     """``delete`` keeps the storage contract's durable delete (a withdrawn manifest):
     the first directory left standing is fsynced.  ``delete_lazily`` removes the same
-    files and empty directories, never the root, and fsyncs nothing; retention is its
-    only user (``lazy_delete``)."""
+    files and empty directories, never the root, and fsyncs nothing (retention's
+    delete, through ``lazy_delete``; the two-tier storage's retire too).  A subclass
+    that overrides ``delete`` keeps seeing every delete."""
     st = LocalStorage(str(tmp_path), direct=False)
     for k in ("a/b/x", "a/b/y", "c/z"):
         st.put(k, b"1")
@@ -312,6 +313,19 @@ def test_delete_is_durable_on_return_and_delete_lazily_flushes_nothing(
     st.delete_lazily(["c/z"])
     assert fsynced == [] and not (tmp_path / "c").exists() and tmp_path.is_dir()
     assert lazy_delete(st) == st.delete_lazily
+
+    class Audited(LocalStorage):  # overrides delete: its override sees lazy deletes too
+        seen: list[str] = []
+
+        def delete(self, keys: Iterable[str]) -> None:
+            keys = list(keys)
+            self.seen += keys
+            super().delete(keys)
+
+    au = Audited(str(tmp_path))
+    au.put("d/k", b"1")
+    au.delete_lazily(["d/k"])
+    assert au.seen == ["d/k"] and not (tmp_path / "d").exists()
 
     class Plain:  # a storage without the capability (S3): its own delete
         def delete(self, keys: object) -> None: ...
