@@ -41,7 +41,7 @@ import functools
 import posixpath
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import IO, Protocol, runtime_checkable
+from typing import IO, Protocol, cast, runtime_checkable
 
 from ckrun.errors import InvalidKey
 
@@ -258,8 +258,9 @@ class DeletesLazily(Protocol):
     and on a busy or virtual disk they delay the saves next to them (bench/README.md,
     "Twentieth session").  A storage that overrides ``delete`` (to audit or inject
     faults) keeps seeing every delete: local storage's ``delete_lazily`` calls such an
-    override; a wrapper that delegates attributes to another storage must define
-    ``delete_lazily`` itself.
+    override; a wrapper that delegates attributes to another storage gets its own
+    ``delete`` unless its class defines ``delete_lazily`` (:func:`lazy_delete` asks the
+    class, not the instance).
     """
 
     def delete_lazily(self, keys: Iterable[str]) -> None:
@@ -273,10 +274,20 @@ class DeletesLazily(Protocol):
         ...
 
 
+@functools.cache
+def _deletes_lazily(cls: type) -> bool:
+    """Whether storages of class ``cls`` offer :class:`DeletesLazily`, decided once per
+    class (as :func:`publishes_after`: an ``isinstance`` against a runtime Protocol
+    lists its members again on every call, on every retention pass here)."""
+    return issubclass(cls, DeletesLazily)
+
+
 def lazy_delete(storage: Storage) -> Callable[[Iterable[str]], None]:
-    """``storage``'s :meth:`DeletesLazily.delete_lazily` where it offers one, else its
-    :meth:`Storage.delete`."""
-    return storage.delete_lazily if isinstance(storage, DeletesLazily) else storage.delete
+    """``storage``'s :meth:`DeletesLazily.delete_lazily` where its class offers one,
+    else its :meth:`Storage.delete`."""
+    if _deletes_lazily(type(storage)):
+        return cast(DeletesLazily, storage).delete_lazily
+    return storage.delete
 
 
 class RangeReader(Protocol):
