@@ -145,16 +145,24 @@ def _ck(root: str, writer: str, **kw: Any) -> ckrun.Checkpointer:
 
 
 def saves_round(
-    state: dict[str, Any], root: str, out: dict[str, list[float]]
+    state: dict[str, Any], root: str, out: dict[str, list[float]], rotate: int = 0
 ) -> tuple[str, probe.WriterChoice]:
-    """One round of every save row into ``out`` (seconds); returns the ckrun shard and
-    the adaptive writer's choice."""
+    """One round of every save row into ``out`` (seconds), starting with row ``rotate``
+    (mod the number of rows), as the load rows do: this disk's rows move by 10-20 % with
+    what ran before them (bench/README.md, nineteenth session), and in a fixed order
+    ckrun's rows always came after the DCP rows.  Returns the ckrun shard and the
+    adaptive writer's choice (probed, or remembered, before the round: not timed)."""
     import safetensors.torch as sft
     import torch.distributed.checkpoint as dcp
 
     n = state_bytes(state)
     tensors = _tensors(state)
     fl = flat(state)
+    ck = _ck(f"{root}/ck", "auto")
+    assert isinstance(ck.storage, LocalStorage)
+    choice = ck.storage.writer_choice()  # probe (or remembered): not in the timed save
+    ck.close()
+    _rm(f"{root}/ck")
 
     def rec(name: str, fn: Callable[[], Any], cleanup: str | None) -> None:
         # every row starts on a quiet disk: the previous rows' deletions (their discards
@@ -166,24 +174,9 @@ def saves_round(
         if cleanup:
             _rm(cleanup)
 
-    rec(
-        "O_DIRECT write + fsync (1 outstanding)",
-        lambda: odirect_write(f"{root}/od", n),
-        f"{root}/od",
-    )
-    rec(
-        f"O_DIRECT write + fsync ({DEEP} outstanding)",
-        lambda: odirect_deep(f"{root}/od4", n),
-        f"{root}/od4",
-    )
-    rec("page-cache write + fsync", lambda: pagecache_write(f"{root}/pc", tensors), f"{root}/pc")
-    os.makedirs(f"{root}/wb", exist_ok=True)
-    rec(
-        "page-cache write-behind + fsync",
-        lambda: writebehind_write(f"{root}/wb", tensors),
-        f"{root}/wb",
-    )
-    rec("torch.save + fsync", lambda: torch_save(f"{root}/t.pt", state), None)
+    def wb() -> None:
+        os.makedirs(f"{root}/wb", exist_ok=True)
+        writebehind_write(f"{root}/wb", tensors)
 
     def sf() -> None:
         sft.save_file(fl, f"{root}/s.safetensors")
@@ -191,28 +184,53 @@ def saves_round(
         os.fsync(fd)
         os.close(fd)
 
-    rec("safetensors save_file + fsync", sf, None)
-    rec("DCP save", lambda: dcp.save(fl, checkpoint_id=f"{root}/dcp"), f"{root}/dcp")
-    os.sync()
-    t = time.perf_counter()
-    f = dcp.async_save(fl, checkpoint_id=f"{root}/dcpa")
-    out.setdefault("DCP async_save: pause", []).append(time.perf_counter() - t)
-    f.result()
-    _rm(f"{root}/dcpa")
+    def dcp_async() -> None:
+        os.sync()
+        t = time.perf_counter()
+        f = dcp.async_save(fl, checkpoint_id=f"{root}/dcpa")
+        out.setdefault("DCP async_save: pause", []).append(time.perf_counter() - t)
+        f.result()
+        _rm(f"{root}/dcpa")
+
+    def ckrun_row(label: str, writer: str, where: str, cleanup: bool = True) -> None:
+        ck = _ck(where, writer)  # opened before the timed save, as a training loop does
+        rec(label, lambda: ck.save(1, state), where if cleanup else None)
+        ck.close()
+
+    rows: list[Callable[[], None]] = [
+        lambda: rec(
+            "O_DIRECT write + fsync (1 outstanding)",
+            lambda: odirect_write(f"{root}/od", n),
+            f"{root}/od",
+        ),
+        lambda: rec(
+            f"O_DIRECT write + fsync ({DEEP} outstanding)",
+            lambda: odirect_deep(f"{root}/od4", n),
+            f"{root}/od4",
+        ),
+        lambda: rec(
+            "page-cache write + fsync", lambda: pagecache_write(f"{root}/pc", tensors), f"{root}/pc"
+        ),
+        lambda: rec("page-cache write-behind + fsync", wb, f"{root}/wb"),
+        lambda: rec("torch.save + fsync", lambda: torch_save(f"{root}/t.pt", state), None),
+        lambda: rec("safetensors save_file + fsync", sf, None),
+        lambda: rec("DCP save", lambda: dcp.save(fl, checkpoint_id=f"{root}/dcp"), f"{root}/dcp"),
+        dcp_async,
+    ]
     for label, writer in (
         ("ckrun save (writer direct:1)", "direct"),
         (f"ckrun save (writer direct:{DEEP})", f"direct:{DEEP}"),
         ("ckrun save (writer writebehind)", "writebehind"),
     ):
-        ck = _ck(f"{root}/ck-{writer}", writer)
-        rec(label, lambda ck=ck: ck.save(1, state), f"{root}/ck-{writer}")
-    ck = _ck(f"{root}/ck", "auto")
-    assert isinstance(ck.storage, LocalStorage)
-    choice = ck.storage.writer_choice()  # probe (or remembered): not in the timed save
-    _rm(f"{root}/ck")
-    ck = _ck(f"{root}/ck", "auto")
-    rec("ckrun save (adaptive)", lambda: ck.save(1, state), None)
+        rows.append(lambda a=label, w=writer: ckrun_row(a, w, f"{root}/ck-{w}"))
+    # the adaptive row's checkpoint stays: the load rows read it
+    rows.append(lambda: ckrun_row("ckrun save (adaptive)", "auto", f"{root}/ck", cleanup=False))
+    turn = rotate % len(rows)
+    for row in rows[turn:] + rows[:turn]:
+        row()
+    ck = _ck(f"{root}/ck", "auto")  # the adaptive row's checkpoint, read by the load rows
     m = ck.latest()
+    ck.close()
     assert m is not None
     out.setdefault("_file_bytes", []).append(float(m.total_size_bytes))
     out.setdefault("_torch_bytes", []).append(float(os.path.getsize(f"{root}/t.pt")))
@@ -483,7 +501,7 @@ def run(size_gib: float, root: str, repeats: int) -> dict[str, Any]:
     c = probe.WriterChoice("direct")
     try:
         for r in range(repeats):
-            shard, c = saves_round(state, root, raw)
+            shard, c = saves_round(state, root, raw, rotate=r)
             method = loads_round(state, root, shard, raw, rotate=r)
             small_saves(root, raw)
             for p in (f"{root}/ck", f"{root}/t.pt", f"{root}/s.safetensors"):
