@@ -34,6 +34,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import ckrun
@@ -192,45 +193,55 @@ def saves_round(
         f.result()
         _rm(f"{root}/dcpa")
 
-    def ckrun_row(label: str, writer: str, where: str, cleanup: bool = True) -> None:
+    kept: list[Any] = []  # the adaptive row's manifest: the load rows read its shard
+
+    def ckrun_row(label: str, writer: str, where: str, keep: bool = False) -> None:
         ck = _ck(where, writer)  # opened before the timed save, as a training loop does
-        rec(label, lambda: ck.save(1, state), where if cleanup else None)
+        rec(label, lambda: ck.save(1, state), None if keep else where)
+        if keep:
+            kept.append(ck.latest())
         ck.close()
 
     rows: list[Callable[[], None]] = [
-        lambda: rec(
+        partial(
+            rec,
             "O_DIRECT write + fsync (1 outstanding)",
-            lambda: odirect_write(f"{root}/od", n),
+            partial(odirect_write, f"{root}/od", n),
             f"{root}/od",
         ),
-        lambda: rec(
+        partial(
+            rec,
             f"O_DIRECT write + fsync ({DEEP} outstanding)",
-            lambda: odirect_deep(f"{root}/od4", n),
+            partial(odirect_deep, f"{root}/od4", n),
             f"{root}/od4",
         ),
-        lambda: rec(
-            "page-cache write + fsync", lambda: pagecache_write(f"{root}/pc", tensors), f"{root}/pc"
+        partial(
+            rec,
+            "page-cache write + fsync",
+            partial(pagecache_write, f"{root}/pc", tensors),
+            f"{root}/pc",
         ),
-        lambda: rec("page-cache write-behind + fsync", wb, f"{root}/wb"),
-        lambda: rec("torch.save + fsync", lambda: torch_save(f"{root}/t.pt", state), None),
-        lambda: rec("safetensors save_file + fsync", sf, None),
-        lambda: rec("DCP save", lambda: dcp.save(fl, checkpoint_id=f"{root}/dcp"), f"{root}/dcp"),
+        partial(rec, "page-cache write-behind + fsync", wb, f"{root}/wb"),
+        partial(rec, "torch.save + fsync", partial(torch_save, f"{root}/t.pt", state), None),
+        partial(rec, "safetensors save_file + fsync", sf, None),
+        partial(rec, "DCP save", partial(dcp.save, fl, checkpoint_id=f"{root}/dcp"), f"{root}/dcp"),
         dcp_async,
+        partial(ckrun_row, "ckrun save (writer direct:1)", "direct", f"{root}/ck-direct"),
+        partial(
+            ckrun_row,
+            f"ckrun save (writer direct:{DEEP})",
+            f"direct:{DEEP}",
+            f"{root}/ck-direct:{DEEP}",
+        ),
+        partial(
+            ckrun_row, "ckrun save (writer writebehind)", "writebehind", f"{root}/ck-writebehind"
+        ),
+        partial(ckrun_row, "ckrun save (adaptive)", "auto", f"{root}/ck", keep=True),
     ]
-    for label, writer in (
-        ("ckrun save (writer direct:1)", "direct"),
-        (f"ckrun save (writer direct:{DEEP})", f"direct:{DEEP}"),
-        ("ckrun save (writer writebehind)", "writebehind"),
-    ):
-        rows.append(lambda a=label, w=writer: ckrun_row(a, w, f"{root}/ck-{w}"))
-    # the adaptive row's checkpoint stays: the load rows read it
-    rows.append(lambda: ckrun_row("ckrun save (adaptive)", "auto", f"{root}/ck", cleanup=False))
     turn = rotate % len(rows)
     for row in rows[turn:] + rows[:turn]:
         row()
-    ck = _ck(f"{root}/ck", "auto")  # the adaptive row's checkpoint, read by the load rows
-    m = ck.latest()
-    ck.close()
+    m = kept[0]
     assert m is not None
     out.setdefault("_file_bytes", []).append(float(m.total_size_bytes))
     out.setdefault("_torch_bytes", []).append(float(os.path.getsize(f"{root}/t.pt")))
