@@ -21,6 +21,13 @@ Heavy dependencies (torch, boto3, kubernetes, submitit) are imported lazily, so
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the imports below follow the hold on purpose)
+from ckrun import notice_hold
+
+# First, before ~0.1 s of imports: `ckrun run` must not die of a notice that comes while
+# it starts; the supervisor's signal inbox takes what was held (ckrun.notice_hold).
+notice_hold.hold_if_supervisor()
+
 import importlib
 from typing import Any
 

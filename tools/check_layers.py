@@ -37,7 +37,10 @@ PACKAGE = "ckrun"
 # (layer name, first-level names under ckrun that belong to it), lowest first.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # procs: fork/exec into a new session and prctl(2), shared by scheduler and supervisor
-    ("errors/notices", ("errors", "notices", "version", "options", "enums", "procs")),
+    (
+        "errors/notices",
+        ("errors", "notices", "version", "options", "enums", "procs", "notice_hold"),
+    ),
     ("storage", ("storage",)),  # fsutil lives here: control writes its files with it
     ("control/runlog", ("control", "control_files", "notice_signals", "runlog")),
     ("checkpoint", ("checkpoint",)),

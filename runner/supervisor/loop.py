@@ -253,11 +253,11 @@ class Supervisor:
         self.clock.wait(self.inbox.wake_fd, self.tick_s)
         now = self.clock.monotonic()
         intake, queue = self.intake, self._queue
-        for sig in self.inbox.take():
+        for sig, arrived in self.inbox.take():
             if sig == signal.SIGWINCH:  # the console was resized: the child's pty follows
                 self.kid.resize()
                 continue
-            ev = intake.from_signal(sig, now)
+            ev = intake.from_signal(sig, now, arrived)  # held at start: dated from arrival
             if ev is not None:
                 queue.append(ev)
         queue.extend(intake.requests(now))

@@ -6,6 +6,12 @@ writes a byte to a non-blocking pipe so the loop's ``select`` returns at once in
 at the end of its tick (Python ``signal`` docs, "set_wakeup_fd").  SIGCHLD and USR2 only
 wake; HUP and QUIT (:data:`FORWARD`) are forwarded to the child's group; WINCH (the
 console was resized) goes to the output relay, which resizes the child's pty.
+
+At install the inbox takes over what :mod:`ckrun.notice_hold` caught while the process
+started (the notice signal, from the first ``import ckrun`` of ``ckrun run``), in arrival
+order and with the monotonic time each came, so the loop dates those notices from their
+arrival; a held signal the inbox does not handle gets its default action, as if it had
+never been held.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import collections
 import os
 import signal
 from collections.abc import Callable
+
+from ckrun import notice_hold
 
 #: Signals forwarded to the child's process group (the machine's :class:`Forward`).
 FORWARD = (signal.SIGHUP, signal.SIGQUIT)
@@ -28,19 +36,22 @@ class SignalInbox:
 
     def __init__(self, notice_sig: int) -> None:
         self.notice_sig = notice_sig
-        self._signals: collections.deque[int] = collections.deque()
+        #: (signal number, monotonic arrival in s for a held signal, else None)
+        self._signals: collections.deque[tuple[int, float | None]] = collections.deque()
         #: read end of the wake-up pipe while installed, else -1 (the clock waits on it)
         self.wake_fd = -1
 
     def record(self, signum: int) -> None:
         """Record signal ``signum`` (the handler; tests call it directly)."""
-        self._signals.append(signum)
+        self._signals.append((signum, None))
 
     def _handler(self, signum: int, frame: object) -> None:
-        self._signals.append(signum)
+        self._signals.append((signum, None))
 
-    def take(self) -> list[int]:
-        """The signals recorded since the last call, oldest first; empties the wake pipe."""
+    def take(self) -> list[tuple[int, float | None]]:
+        """The signals recorded since the last call, oldest first, each with its
+        monotonic arrival time (s) when it was held before the install (else None: it
+        came now); empties the wake pipe."""
         try:
             while self.wake_fd >= 0 and os.read(self.wake_fd, 512):
                 pass
@@ -64,6 +75,11 @@ class SignalInbox:
                 signal.SIGWINCH}  # fmt: skip
         sigs.update(FORWARD)
         old = {s: signal.signal(s, self._handler) for s in sigs}
+        held = notice_hold.take()  # after our handlers: nothing falls in between
+        self._signals.extendleft(reversed([(s, t) for s, t in held if s in sigs]))
+        for s in dict.fromkeys(s for s, _ in held if s not in sigs):
+            signal.signal(s, signal.SIG_DFL)  # not ours: what it would have done
+            os.kill(os.getpid(), s)
         r, w = os.pipe()
         os.set_blocking(r, False)
         os.set_blocking(w, False)

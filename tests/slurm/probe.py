@@ -12,22 +12,28 @@ PROBE_MODE: ``record`` (just record), ``requeue`` (attempt 0 requeues itself),
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import sys
 import time
-from typing import Any
-
-from ckrun.errors import RequeueError
-from ckrun.notices import iso_utc, utcnow
-from ckrun.scheduler.slurm import SlurmScheduler
 
 _signals: list[tuple[str, float]] = []
 
 
 def _on_signal(signum: int, frame: object) -> None:
     _signals.append((signal.Signals(signum).name, time.monotonic()))
+
+
+# First, as ckrun run does (ckrun.notice_hold): a signal during the imports is recorded.
+for _sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(_sig, _on_signal)
+
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+from ckrun.errors import RequeueError  # noqa: E402
+from ckrun.notices import iso_utc, utcnow  # noqa: E402
+from ckrun.scheduler.slurm import SlurmScheduler  # noqa: E402
 
 
 def _write(path: str, body: dict[str, Any]) -> None:
@@ -43,8 +49,6 @@ def main(argv: list[str]) -> int:
     run = argv[argv.index("--run") + 1]
     root = os.path.join(argv[argv.index("--storage") + 1], run)
     os.makedirs(root, exist_ok=True)
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, _on_signal)
     mode = os.environ.get("PROBE_MODE", "record")
     sched = SlurmScheduler()
     job = sched.current()
