@@ -5,7 +5,7 @@ A notice can reach ``ckrun run`` before the supervisor's signal inbox
 imports ckrun, resolves the configuration, or waits for another owner's lease.  Slurm
 sends the ``--signal`` warning at its first periodic check once a job is within
 ``lead + 30`` s of its end time (sbatch(1) ``--signal``: "up to 60 seconds earlier"),
-which on a requeued job can be the moment the step starts; a preemption with
+which for a ``--time`` under ``lead + 30`` s is the moment the step starts; a preemption with
 ``SlurmctldParameters=preempt_send_user_signal`` can come at any time.  The notice
 signal's default action (USR1, USR2: terminate) then killed the supervisor before it
 had heard anything: the job ended FAILED, was never requeued, and the notice was lost.
@@ -14,12 +14,14 @@ had heard anything: the job ended FAILED, was never requeued, and the notice was
 nothing but the standard library, so the window left is the interpreter's own start,
 tens of milliseconds).  Only when the process is the supervisor (``ckrun run`` or
 ``python -m ckrun[.cli] run``, read from :data:`sys.orig_argv`) does it catch the notice
-signal with a handler that records the signal number and the monotonic time it came;
-the inbox takes those records at install (:func:`take`) and the loop dates each notice
-from its arrival, not from when it was taken.  SIGTERM keeps its default, as in the
-child before :func:`ckrun.control.install_signal_handlers`: a supervisor that is still
-starting owns nothing that a TERM could lose, and ``kill`` must still stop one that
-waits for a lease.
+signal with a handler that records the signal number; the inbox takes those records at
+install (:func:`take`) and the supervisor's loop takes them before it decides to start
+the command: a notice that came while the supervisor started keeps the command from
+starting, and the attempt is requeued (the state machine's "notice during preflight").
+SIGTERM keeps its default, as in the child before
+:func:`ckrun.control.install_signal_handlers`: a supervisor that is still starting has
+no child yet (at most a lease, which lapses after its TTL), and ``kill`` must still stop
+one that waits for a lease.
 
 Environment read here: ``CKRUN_NOTICE_SIGNAL`` (the notice signal's name; default
 SIGUSR1, the same default as the run's ``notice_signal``).
@@ -30,20 +32,19 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from types import FrameType
 
 __all__ = ["hold_if_supervisor", "is_supervisor_argv", "take"]
 
-#: signals caught since :func:`hold_if_supervisor`, with their monotonic arrival (s)
-_held: list[tuple[int, float]] = []
+#: signal numbers caught since :func:`hold_if_supervisor`, oldest first
+_held: list[int] = []
 #: signals this module's handler is installed for
 _holding: set[int] = set()
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
-    _held.append((signum, time.monotonic()))
+    _held.append(signum)
 
 
 def is_supervisor_argv(argv: Sequence[str]) -> bool:
@@ -102,10 +103,9 @@ def hold_if_supervisor(argv: Sequence[str] | None = None) -> bool:
     return True
 
 
-def take() -> list[tuple[int, float]]:
-    """The held signals, oldest first, with their monotonic arrival times (s); empties
-    the record.  The caller installs its own handlers *before* taking, so no signal
-    falls between the two."""
+def take() -> list[int]:
+    """The held signal numbers, oldest first; empties the record.  The caller installs
+    its own handlers *before* taking, so no signal falls between the two."""
     out = list(_held)
     del _held[: len(out)]
     return out

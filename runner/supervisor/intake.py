@@ -74,43 +74,30 @@ class NoticeIntake:
         self.lost_sent = False
 
     def notice_event(
-        self,
-        n: Notice,
-        now: float,
-        window_s: float | None = None,
-        *,
-        since: float | None = None,
-        **kw: Any,
+        self, n: Notice, now: float, window_s: float | None = None, **kw: Any
     ) -> NoticeEvent:
-        """``n`` as an event with its deadline ``since + believed lead`` (seconds,
-        monotonic; ``since`` defaults to ``now``, earlier for a notice that arrived
-        before it was taken); ``window_s`` is the provider's notice window, ``kw`` the
-        event's flags (``self_term``, ``cancel``, ``lease_lost``)."""
+        """``n`` as an event with its deadline ``now + believed lead`` (seconds,
+        monotonic); ``window_s`` is the provider's notice window, ``kw`` the event's flags
+        (``self_term``, ``cancel``, ``lease_lost``)."""
         lead, skew = believed_lead(n, window_s)
         if skew:
             self.say(skew)
             self.append("notice_skew", message=skew, source=n.source)
         self.last_notice = n
-        start = now if since is None else min(since, now)
-        return NoticeEvent(n.kind, n.source, start + lead, now, **kw)
+        return NoticeEvent(n.kind, n.source, now + lead, now, **kw)
 
-    def from_signal(self, sig: int, now: float, arrived: float | None = None) -> Event | None:
-        """The event for a recorded signal; None for one that only wakes the loop.
-
-        ``arrived`` (monotonic s) dates a notice signal held while the supervisor
-        started (:mod:`ckrun.notice_hold`): its deadline counts from then, not from
-        ``now``.
-        """
+    def from_signal(self, sig: int, now: float) -> Event | None:
+        """The event for a recorded signal; None for one that only wakes the loop."""
         name = signal.Signals(sig).name
         grace = self.cfg.grace_s
         if sig == signal.SIGTERM:
             n = Notice.with_lead(TERMINATION, f"signal:{name}", grace)
-            return self.notice_event(n, now, since=arrived, self_term=True)
+            return self.notice_event(n, now, self_term=True)
         if sig == self.notice_sig:
             # Slurm's --signal lead time warns of the time limit, not of a preemption
             slurm = self.job is not None and self.job.backend == "slurm"
             n = Notice.with_lead(TIME_LIMIT if slurm else PREEMPTION, f"signal:{name}", grace)
-            return self.notice_event(n, now, since=arrived)
+            return self.notice_event(n, now)
         if sig == signal.SIGINT:
             return Interrupt(now)
         if sig in FORWARD:

@@ -234,7 +234,11 @@ class Supervisor:
                 f"supervising {job.backend} job {job.job_id} rank {job.rank} (pid {os.getpid()})"
             )
         try:
-            self._queue.append(self._preflight())
+            preflighted = self._preflight()
+            # a notice held while the supervisor started, or sent during preflight, comes
+            # before the start decision: the machine does not start the command
+            self._take_signals(self.clock.monotonic())
+            self._queue.append(preflighted)
             while True:
                 while self._queue:
                     self._feed(self._queue.popleft())
@@ -249,17 +253,21 @@ class Supervisor:
         self.events.append("supervisor_exit", exit_code=code, state=self.state.phase.value)
         return code
 
+    def _take_signals(self, now: float) -> None:
+        """Queue the events of the signals recorded since the last call."""
+        for sig in self.inbox.take():
+            if sig == signal.SIGWINCH:  # the console was resized: the child's pty follows
+                self.kid.resize()
+                continue
+            ev = self.intake.from_signal(sig, now)
+            if ev is not None:
+                self._queue.append(ev)
+
     def _round(self) -> None:
         self.clock.wait(self.inbox.wake_fd, self.tick_s)
         now = self.clock.monotonic()
         intake, queue = self.intake, self._queue
-        for sig, arrived in self.inbox.take():
-            if sig == signal.SIGWINCH:  # the console was resized: the child's pty follows
-                self.kid.resize()
-                continue
-            ev = intake.from_signal(sig, now, arrived)  # held at start: dated from arrival
-            if ev is not None:
-                queue.append(ev)
+        self._take_signals(now)
         queue.extend(intake.requests(now))
         queue.extend(intake.peer_notice(now))
         queue.extend(intake.poll(now))

@@ -9,9 +9,9 @@ console was resized) goes to the output relay, which resizes the child's pty.
 
 At install the inbox takes over what :mod:`ckrun.notice_hold` caught while the process
 started (the notice signal, from the first ``import ckrun`` of ``ckrun run``), in arrival
-order and with the monotonic time each came, so the loop dates those notices from their
-arrival; a held signal the inbox does not handle gets its default action, as if it had
-never been held.
+order; the loop takes them before its start decision, so a notice that came while the
+supervisor started keeps the command from starting.  A held signal the inbox does not
+handle gets its default action, as if it had never been held.
 """
 
 from __future__ import annotations
@@ -36,22 +36,19 @@ class SignalInbox:
 
     def __init__(self, notice_sig: int) -> None:
         self.notice_sig = notice_sig
-        #: (signal number, monotonic arrival in s for a held signal, else None)
-        self._signals: collections.deque[tuple[int, float | None]] = collections.deque()
+        self._signals: collections.deque[int] = collections.deque()
         #: read end of the wake-up pipe while installed, else -1 (the clock waits on it)
         self.wake_fd = -1
 
     def record(self, signum: int) -> None:
         """Record signal ``signum`` (the handler; tests call it directly)."""
-        self._signals.append((signum, None))
+        self._signals.append(signum)
 
     def _handler(self, signum: int, frame: object) -> None:
-        self._signals.append((signum, None))
+        self._signals.append(signum)
 
-    def take(self) -> list[tuple[int, float | None]]:
-        """The signals recorded since the last call, oldest first, each with its
-        monotonic arrival time (s) when it was held before the install (else None: it
-        came now); empties the wake pipe."""
+    def take(self) -> list[int]:
+        """The signals recorded since the last call, oldest first; empties the wake pipe."""
         try:
             while self.wake_fd >= 0 and os.read(self.wake_fd, 512):
                 pass
@@ -76,8 +73,8 @@ class SignalInbox:
         sigs.update(FORWARD)
         old = {s: signal.signal(s, self._handler) for s in sigs}
         held = notice_hold.take()  # after our handlers: nothing falls in between
-        self._signals.extendleft(reversed([(s, t) for s, t in held if s in sigs]))
-        for s in dict.fromkeys(s for s, _ in held if s not in sigs):
+        self._signals.extendleft(reversed([s for s in held if s in sigs]))
+        for s in dict.fromkeys(s for s in held if s not in sigs):
             signal.signal(s, signal.SIG_DFL)  # not ours: what it would have done
             os.kill(os.getpid(), s)
         r, w = os.pipe()
