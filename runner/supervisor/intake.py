@@ -104,6 +104,19 @@ class NoticeIntake:
             return Forward(sig, now)
         return None
 
+    def from_signals(
+        self, sigs: Sequence[int], now: float, resize: Callable[[], None]
+    ) -> list[Event]:
+        """The events of signals taken from the inbox, in order; ``resize`` is called for
+        SIGWINCH (the console was resized: the child's pty follows)."""
+        out: list[Event] = []
+        for sig in sigs:
+            if sig == signal.SIGWINCH:
+                resize()
+            elif (ev := self.from_signal(sig, now)) is not None:
+                out.append(ev)
+        return out
+
     def requests(self, now: float) -> list[Event]:
         """``ckrun preempt`` (a drill) and ``ckrun cancel`` requests, taken once each."""
         out: list[Event] = []

@@ -237,7 +237,8 @@ class Supervisor:
             preflighted = self._preflight()
             # a notice held while the supervisor started, or sent during preflight, comes
             # before the start decision: the machine does not start the command
-            self._take_signals(self.clock.monotonic())
+            now = self.clock.monotonic()
+            self._queue.extend(self.intake.from_signals(self.inbox.take(), now, self.kid.resize))
             self._queue.append(preflighted)
             while True:
                 while self._queue:
@@ -253,21 +254,11 @@ class Supervisor:
         self.events.append("supervisor_exit", exit_code=code, state=self.state.phase.value)
         return code
 
-    def _take_signals(self, now: float) -> None:
-        """Queue the events of the signals recorded since the last call."""
-        for sig in self.inbox.take():
-            if sig == signal.SIGWINCH:  # the console was resized: the child's pty follows
-                self.kid.resize()
-                continue
-            ev = self.intake.from_signal(sig, now)
-            if ev is not None:
-                self._queue.append(ev)
-
     def _round(self) -> None:
         self.clock.wait(self.inbox.wake_fd, self.tick_s)
         now = self.clock.monotonic()
         intake, queue = self.intake, self._queue
-        self._take_signals(now)
+        queue.extend(intake.from_signals(self.inbox.take(), now, self.kid.resize))
         queue.extend(intake.requests(now))
         queue.extend(intake.peer_notice(now))
         queue.extend(intake.poll(now))
