@@ -35,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-__all__ = ["hold_if_supervisor", "is_supervisor_argv", "take"]
+__all__ = ["hold_if_supervisor", "is_supervisor_argv", "notice_signal", "take"]
 
 #: signal numbers caught since :func:`hold_if_supervisor`, oldest first
 _held: list[int] = []
@@ -68,14 +68,18 @@ def is_supervisor_argv(argv: Sequence[str]) -> bool:
     return False
 
 
-def _notice_signal() -> int:
-    name = os.environ.get("CKRUN_NOTICE_SIGNAL", "SIGUSR1").strip().upper()
-    if name.isdigit():
-        return int(name)
+def notice_signal() -> signal.Signals:
+    """The notice signal configured for this run (``CKRUN_NOTICE_SIGNAL``, default USR1;
+    an unknown name reads as USR1: the run's config names the bad value when it loads).
+    The one reader of the variable, for the supervisor's hold and the child's handlers
+    (:mod:`ckrun.notice_signals`)."""
+    name = os.environ.get("CKRUN_NOTICE_SIGNAL", "SIGUSR1").upper()
+    if not name.startswith("SIG"):
+        name = "SIG" + name
     try:
-        return int(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
+        return signal.Signals[name]
     except KeyError:
-        return int(signal.SIGUSR1)  # the run's config names the bad value when it loads
+        return signal.SIGUSR1
 
 
 def hold_if_supervisor(argv: Sequence[str] | None = None) -> bool:
@@ -90,7 +94,7 @@ def hold_if_supervisor(argv: Sequence[str] | None = None) -> bool:
     """
     if not is_supervisor_argv(sys.orig_argv if argv is None else argv):
         return False
-    sig = _notice_signal()
+    sig = notice_signal()
     if sig in _holding:
         return True
     try:

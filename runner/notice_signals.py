@@ -33,6 +33,7 @@ from types import FrameType
 from typing import BinaryIO
 
 from ckrun.control_files import ESCALATE_FILE, control_dir
+from ckrun.notice_hold import notice_signal
 from ckrun.procs import set_parent_death_signal
 from ckrun.storage import probe
 
@@ -73,17 +74,6 @@ received: list[int] = []
 _installed: set[int] = set()
 _handlers_pid: list[int] = []  # the process that installed them (a fork inherits them)
 _pdeath_set: list[int] = []
-
-
-def notice_signal() -> signal.Signals:
-    """The notice signal configured for this run (``CKRUN_NOTICE_SIGNAL``, default USR1)."""
-    name = os.environ.get("CKRUN_NOTICE_SIGNAL", "SIGUSR1").upper()
-    if not name.startswith("SIG"):
-        name = "SIG" + name
-    try:
-        return signal.Signals[name]
-    except KeyError:
-        return signal.SIGUSR1
 
 
 def follow_parent() -> None:

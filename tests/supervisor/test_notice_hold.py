@@ -1,7 +1,8 @@
 """A notice that reaches ``ckrun run`` while it starts is held, not fatal.
 
 Slurm sends the ``--signal`` warning at its first check once a job is within
-``lead + 30`` s of its end, which on a requeued job can be the moment the step starts;
+``lead + 30`` s of its end, which for a ``--time`` under ``lead + 30`` s is the moment
+the step starts;
 before the hold, the default action of USR1 killed the supervisor (the job ended FAILED,
 never requeued).  Real processes and real signals; the wait for another owner's lease
 is the deterministic window before the supervisor's inbox is installed.
